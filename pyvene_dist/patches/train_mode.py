@@ -1,0 +1,34 @@
+"""``IntervenableModel.train(mode)`` and ``eval()`` switch the interventions too, and return the model.
+
+pyvene 0.1.8 switches only the base model and returns ``None``: intervention dropout stays on during
+evaluation, ``model.training`` never changes, and ``model = model.eval()`` leaves ``None``. HF Trainer
+calls ``model.train()`` every step and ``model.eval()`` before evaluating.
+
+The fix is ``nn.Module.train``: the wrapper, the base model and every intervention follow ``mode``.
+
+Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+SITES = (
+    "pyvene.models.intervenable_base:IntervenableModel.train",
+    "pyvene.models.intervenable_base:IntervenableModel.eval",
+)
+
+
+def patch(registry) -> None:
+    from pyvene.models.intervenable_base import IntervenableModel
+
+    registry.wrap(IntervenableModel, "train", _wrap_train)
+    registry.wrap(IntervenableModel, "eval", _wrap_eval)
+
+
+def _wrap_train(wrapped, instance, args, kwargs):
+    return nn.Module.train(instance, *args, **kwargs)
+
+
+def _wrap_eval(wrapped, instance, args, kwargs):
+    return nn.Module.eval(instance)

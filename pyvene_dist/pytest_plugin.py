@@ -1,0 +1,113 @@
+"""pytest plugin: run a test body in every rank of a process group, at each world size asked for.
+
+    @pytest.mark.world_size(1, 2)
+    def test_ddp_matches_one_process(tmp_path):
+        ...  # runs twice: in 1 spawned process, then in 2; torch.distributed is initialised
+
+    @pytest.mark.gpus(2)
+    def test_data_parallel(): ...  # skipped, saying so, on a machine with fewer than 2 GPUs
+
+Marker ``world_size(*sizes, backend=None, timeout=None)``. The backend is ``--world-backend``
+(``auto``: nccl when there are at least as many GPUs as ranks, else gloo); a size that needs more GPUs
+than the machine has is skipped with the number it needs. ``timeout`` (default ``--world-timeout``,
+300 s) bounds the whole world: past it, every live rank's stack is printed and the test fails.
+Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works).
+
+Loaded through the ``pytest11`` entry point; importing it imports nothing but pytest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+
+import pytest
+
+WORLD_SIZE_ARG = "world_size"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pyvene_dist", "multi-process tests (pyvene_dist)")
+    group.addoption(
+        "--world-backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="process-group backend for @pytest.mark.world_size tests (default: auto)",
+    )
+    group.addoption(
+        "--world-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a @pytest.mark.world_size test may run before every rank's stack is dumped (default: 300)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "world_size(*sizes, backend=None, timeout=None): run the test body in a process group of each size",
+    )
+    config.addinivalue_line("markers", "gpus(n): skip unless the machine has at least n CUDA GPUs")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker(WORLD_SIZE_ARG)
+    if marker is None:
+        return
+    sizes = marker.args
+    if not sizes or not all(isinstance(size, int) and size >= 1 for size in sizes):
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid}: world_size needs one or more positive integers, got {sizes!r}"
+        )
+    if WORLD_SIZE_ARG not in metafunc.fixturenames:
+        metafunc.fixturenames.append(WORLD_SIZE_ARG)
+    metafunc.parametrize(WORLD_SIZE_ARG, sizes, ids=[f"world{size}" for size in sizes])
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("gpus")
+    if marker is not None:
+        needed = marker.args[0]
+        found = _gpu_count()
+        if found < needed:
+            pytest.skip(f"needs {needed} GPUs, found {found}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    marker = pyfuncitem.get_closest_marker(WORLD_SIZE_ARG)
+    if marker is None:
+        return None
+    from pyvene_dist.testing.launch import spawn
+
+    world_size = pyfuncitem.callspec.params[WORLD_SIZE_ARG]
+    backend = _backend(pyfuncitem.config, marker, world_size)
+    timeout = marker.kwargs.get("timeout") or pyfuncitem.config.getoption("--world-timeout")
+    declared = inspect.signature(pyfuncitem.obj).parameters
+    kwargs = {name: value for name, value in pyfuncitem.funcargs.items() if name in declared}
+    with tempfile.TemporaryDirectory(prefix="pyvene-dist-world") as workdir:
+        outcome = spawn(
+            pyfuncitem.obj, world_size=world_size, backend=backend, timeout=timeout, workdir=workdir, kwargs=kwargs
+        )
+    if outcome.failed:
+        pytest.fail(outcome.report(), pytrace=False)
+    if outcome.skipped:
+        reasons = sorted({f"{r.detail}" for r in outcome.skipped})
+        pytest.skip("; ".join(reasons))
+    return True
+
+
+def _backend(config: pytest.Config, marker: pytest.Mark, world_size: int) -> str:
+    backend = marker.kwargs.get("backend") or config.getoption("--world-backend")
+    found = _gpu_count()
+    if backend == "auto":
+        return "nccl" if found >= world_size else "gloo"
+    if backend == "nccl" and found < world_size:
+        pytest.skip(f"needs {world_size} GPUs for nccl, found {found}")
+    return backend
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

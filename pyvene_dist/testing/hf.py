@@ -1,0 +1,90 @@
+"""The parity harness through HF Trainer and a stock pyreft trainer, as users train.
+
+``train_with_trainer(case, output_dir)`` builds ``case``'s model and examples, trains them with
+``pyreft.ReftTrainer`` (or another pyreft trainer class) and returns the same ``Record`` as
+``parity.train``: the loss HF Trainer logs at every step (already averaged over ranks), the
+intervention gradients as the optimizer sees them (after clipping), and the final weights.
+Launched by torchrun, the same call is the distributed run: HF Trainer shards the data itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from .models import import_pyreft
+from .parity import ParityCase, Record
+
+
+def examples(case: ParityCase) -> list[dict[str, torch.Tensor]]:
+    """``case.batches()`` as a flat list of pyreft examples, in order: batch ``k`` is ``[k*B, (k+1)*B)``."""
+    rows = []
+    for batch in case.batches():
+        for i, input_ids in enumerate(batch["input_ids"]):
+            rows.append({
+                "input_ids": input_ids,
+                "attention_mask": torch.ones_like(input_ids),
+                "labels": input_ids,
+                "intervention_locations": batch["locations"][:, i],
+            })
+    return rows
+
+
+class InterventionGradients(TrainerCallback):
+    """Keeps a CPU copy of every intervention gradient just before each optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({
+            name: parameter.grad.detach().float().cpu().clone()
+            for name, parameter in model.interventions.named_parameters()
+            if parameter.requires_grad
+        })
+
+
+def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
+    if case.batch_size % world_size:
+        raise ValueError(f"batch_size {case.batch_size} does not split evenly over {world_size} processes")
+    arguments = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=case.batch_size // world_size,
+        max_steps=case.steps,
+        learning_rate=case.lr,
+        weight_decay=case.weight_decay,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=case.seed,
+        train_sampling_strategy="sequential",
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+    )
+    arguments.update(overrides)
+    return TrainingArguments(**arguments)
+
+
+def train_with_trainer(
+    case: ParityCase, output_dir: str, *, trainer_class: str = "ReftTrainer", **overrides: Any
+) -> Record:
+    pyreft = import_pyreft()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    model = case.build()
+    gradients = InterventionGradients()
+    trainer = getattr(pyreft, trainer_class)(
+        model=model,
+        args=training_arguments(case, output_dir, world_size, **overrides),
+        train_dataset=examples(case),
+        callbacks=[gradients],
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    weights = {
+        name: parameter.detach().float().cpu().clone() for name, parameter in model.interventions.named_parameters()
+    }
+    return Record(f"{trainer_class} x{world_size}", world_size, losses, gradients.steps, weights)

@@ -1,0 +1,94 @@
+"""Tiny models built from configs (nothing is downloaded) and ReFT models on top of them."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+VOCAB_SIZE = 97
+
+
+def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return _build(LlamaForCausalLM, config, seed, dtype)
+
+
+def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return _build(GPT2LMHeadModel, config, seed, dtype)
+
+
+BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def _build(model_class, config, seed: int, dtype: torch.dtype):
+    config._attn_implementation = "eager"  # identical arithmetic on every backend and device
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.to(dtype)
+
+
+def reft_model(
+    base,
+    *,
+    layers: Sequence[int] = (0, 1),
+    component: str = "block_output",
+    rank: int = 4,
+    intervention: str = "LoreftIntervention",
+    dtype: torch.dtype = torch.float32,
+    dropout: float = 0.0,
+    seed: int = 0,
+):
+    """``pyreft.get_reft_model`` with one ``intervention`` per layer, its weights drawn from ``seed``."""
+    pyreft = import_pyreft()
+    intervention_class = getattr(pyreft, intervention)
+    hidden = base.config.hidden_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        representations = [
+            {
+                "layer": layer,
+                "component": component,
+                "low_rank_dimension": rank,
+                "intervention": intervention_class(
+                    embed_dim=hidden, low_rank_dimension=rank, dtype=dtype, dropout=dropout, add_bias=True
+                ),
+            }
+            for layer in layers
+        ]
+    return pyreft.get_reft_model(base, pyreft.ReftConfig(representations=representations))
+
+
+def import_pyreft():
+    try:
+        import pyreft
+    except ImportError as exc:
+        raise ImportError(
+            "pyvene_dist.testing builds ReFT models with pyreft, which is not installed: "
+            "pip install --no-deps pyreft==0.1.0 datasets"
+        ) from exc
+    return pyreft

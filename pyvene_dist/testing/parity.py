@@ -1,0 +1,318 @@
+"""The parity harness: train the same ReFT model on the same data with the same seed on one device and
+under a parallel strategy, then compare per-step losses, intervention gradients and final weights.
+
+    case = ParityCase()                                   # tiny Llama, LoReFT at two layers, 3 steps
+    candidate = train(case, "ddp")                        # inside an initialised process group
+    reference = train(case, "single")                     # one device, the whole batch
+    assert_parity(reference, candidate, case.tolerance)   # says which tensor differs, where, by how much
+
+Every rank gets an equal, contiguous share of each global batch and every token is a label, so the
+mean of the ranks' losses is the loss of the whole batch: the comparison is exact up to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import models
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Elementwise ``|actual - expected| <= atol + rtol * |expected|`` with ``atol = rtol * max|expected|``.
+
+    Scaling ``atol`` with the tensor's largest element keeps "relative 1e-5" meaningful for the
+    elements of a gradient that are near zero, where a pure relative test compares rounding noise.
+    """
+
+    rtol: float
+    why: str = ""
+
+
+TOLERANCES = {
+    torch.float32: Tolerance(1e-5, "fp32: the guide's bound; measured differences are ~1e-7"),
+    # bf16 keeps 8 significant bits: one rounding step is 2**-8 = 3.9e-3 relative. A different
+    # reduction order (two shards summed, then averaged) can move a value by a couple of steps.
+    torch.bfloat16: Tolerance(
+        4 * 2**-8, "bf16: 4 ulps of an 8-bit significand (3 roundings of half an ulp, plus cancellation); measured 1.4"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityCase:
+    """What to train. Every field takes part in the result; the defaults run in seconds on a CPU."""
+
+    model: str = "llama"
+    intervention: str = "LoreftIntervention"
+    layers: tuple[int, ...] = (0, 1)
+    component: str = "block_output"
+    rank: int = 4
+    positions: int = 2
+    steps: int = 3
+    batch_size: int = 8
+    seq_len: int = 16
+    dtype: str = "float32"
+    lr: float = 1e-2
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return TOLERANCES[self.torch_dtype]
+
+    def build(self):
+        if self.model not in models.BASE_MODELS:
+            raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
+        base = models.BASE_MODELS[self.model](seed=self.seed, dtype=self.torch_dtype)
+        return models.reft_model(
+            base,
+            layers=self.layers,
+            component=self.component,
+            rank=self.rank,
+            intervention=self.intervention,
+            dtype=self.torch_dtype,
+            seed=self.seed + 1,
+        )
+
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        """``steps`` global batches: token ids and pyreft-layout locations ``[interventions, batch, positions]``."""
+        generator = torch.Generator().manual_seed(self.seed + 2)
+        shape = (self.steps, self.batch_size, self.seq_len)
+        input_ids = torch.randint(models.VOCAB_SIZE, shape, generator=generator)
+        locations = torch.randint(
+            self.seq_len, (self.steps, len(self.layers), self.batch_size, self.positions), generator=generator
+        )
+        return [{"input_ids": input_ids[step], "locations": locations[step]} for step in range(self.steps)]
+
+
+@dataclasses.dataclass
+class Record:
+    """What one run produced: the global loss and intervention gradients of every step, final weights."""
+
+    strategy: str
+    world_size: int
+    losses: list[float]
+    grads: list[Tensors]
+    weights: Tensors
+    peak_memory_bytes: int = 0
+
+
+class Strategy:
+    """How a run is parallelised. ``single`` is the reference: one process, one device, whole batch."""
+
+    name = "single"
+
+    def __init__(self, device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else _default_device()
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        size = batch["input_ids"].shape[0]
+        if size % self.world_size:
+            raise ValueError(f"batch_size {size} does not split evenly over {self.world_size} ranks")
+        share = size // self.world_size
+        start = self.rank * share
+        return {
+            "input_ids": batch["input_ids"][start : start + share],
+            "locations": batch["locations"][:, start : start + share],
+        }
+
+    def mean(self, value: torch.Tensor) -> float:
+        return value.item()
+
+    def full_tensors(self, tensors: Tensors) -> Tensors:
+        return {name: tensor.detach().float().cpu().clone() for name, tensor in tensors.items()}
+
+
+class DDP(Strategy):
+    """``torch.nn.parallel.DistributedDataParallel`` over the initialised default process group."""
+
+    name = "ddp"
+
+    def __init__(self, device: str | torch.device | None = None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("strategy 'ddp' needs an initialised torch.distributed process group")
+        super().__init__(device)
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def mean(self, value: torch.Tensor) -> float:
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value.item() / self.world_size
+
+
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "single": Strategy,
+    "ddp": DDP,
+}
+
+
+def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
+    """Train ``case`` under ``strategy`` and record every step. Deterministic for a given case."""
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not one of {sorted(STRATEGIES)}")
+        strategy = STRATEGIES[strategy]()
+    model = case.build().to(strategy.device)
+    model.train()
+    from ..optim import param_groups
+
+    optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
+    wrapped = strategy.wrap(model)
+    if strategy.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(strategy.device)
+    losses, grads = [], []
+    for batch in case.batches():
+        shard = strategy.shard(batch)
+        loss = _loss(wrapped, shard, strategy.device)
+        loss.backward()
+        losses.append(strategy.mean(loss))
+        grads.append(strategy.full_tensors(_intervention_grads(model)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    weights = strategy.full_tensors(dict(model.interventions.named_parameters()))
+    peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
+    return Record(strategy.name, strategy.world_size, losses, grads, weights, peak)
+
+
+def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    input_ids = shard["input_ids"].to(device)
+    _, counterfactual = model(
+        {"input_ids": input_ids},
+        unit_locations={"sources->base": (None, shard["locations"].tolist())},
+        labels=input_ids,
+    )
+    return counterfactual.loss
+
+
+def _intervention_grads(model: nn.Module) -> Tensors:
+    grads = {}
+    for name, parameter in model.interventions.named_parameters():
+        if parameter.requires_grad:
+            if parameter.grad is None:
+                raise AssertionError(f"intervention parameter {name} received no gradient")
+            grads[name] = parameter.grad
+    return grads
+
+
+def _default_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Differences:
+    """The largest disagreement of each kind between two records (relative to the reference's scale)."""
+
+    loss: float
+    grad: float
+    weight: float
+
+
+def differences(reference: Record, candidate: Record) -> Differences:
+    _check_same_shape(reference, candidate)
+    loss = max((abs(a - b) for a, b in zip(reference.losses, candidate.losses)), default=0.0)
+    grad = max((_relative(r, c) for rs, cs in zip(reference.grads, candidate.grads) for r, c in _pairs(rs, cs)),
+               default=0.0)
+    weight = max((_relative(r, c) for r, c in _pairs(reference.weights, candidate.weights)), default=0.0)
+    return Differences(loss, grad, weight)
+
+
+def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance) -> None:
+    """Fail with the first tensor (step, name) outside ``tolerance``, where, and by how much."""
+    _check_same_shape(reference, candidate)
+    label = f"{candidate.strategy} (world size {candidate.world_size}) vs {reference.strategy}"
+    _assert_close(
+        torch.tensor(candidate.losses, dtype=torch.float64),
+        torch.tensor(reference.losses, dtype=torch.float64),
+        tolerance,
+        f"{label}: per-step loss {candidate.losses} vs {reference.losses}",
+    )
+    for step, (expected, actual) in enumerate(zip(reference.grads, candidate.grads)):
+        for name, (e, a) in _named_pairs(expected, actual):
+            _assert_close(a, e, tolerance, f"{label}: step {step}, gradient of {name}")
+    for name, (e, a) in _named_pairs(reference.weights, candidate.weights):
+        _assert_close(a, e, tolerance, f"{label}: final weight {name}")
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, what: str) -> None:
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=tolerance.rtol,
+        atol=tolerance.rtol * scale,
+        msg=lambda detail: f"{what} differs ({tolerance.why}):\n{detail}",
+    )
+
+
+def _relative(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    scale = expected.abs().max().item()
+    difference = (actual - expected).abs().max().item()
+    return difference / scale if scale else difference
+
+
+def _check_same_shape(reference: Record, candidate: Record) -> None:
+    if len(reference.losses) != len(candidate.losses):
+        raise AssertionError(f"{len(candidate.losses)} steps recorded, expected {len(reference.losses)}")
+    if set(reference.weights) != set(candidate.weights):
+        raise AssertionError(
+            f"intervention parameters differ: {sorted(set(reference.weights) ^ set(candidate.weights))}"
+        )
+    if any(math.isnan(loss) for loss in candidate.losses):
+        raise AssertionError(f"{candidate.strategy}: NaN loss {candidate.losses}")
+
+
+def _named_pairs(expected: Tensors, actual: Tensors):
+    if set(expected) != set(actual):
+        raise AssertionError(f"parameters differ: {sorted(set(expected) ^ set(actual))}")
+    return ((name, (expected[name], actual[name])) for name in sorted(expected))
+
+
+def _pairs(expected: Tensors, actual: Tensors) -> list[tuple[Any, Any]]:
+    return [pair for _, pair in _named_pairs(expected, actual)]

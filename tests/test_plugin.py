@@ -1,0 +1,117 @@
+"""The pytest plugin itself: passing worlds, a failing rank, a hanging rank, skips, crashes, GPU needs."""
+
+import pytest
+
+HEADER = """
+import os, sys, time
+import pytest
+import torch.distributed as dist
+"""
+
+
+def run(pytester, body, *args):
+    pytester.makepyfile(test_world=HEADER + body)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *args)
+
+
+def test_passing_world_runs_every_size_with_a_real_group(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(1, 2)
+def test_sizes(tmp_path, world_size):
+    assert dist.get_world_size() == world_size == int(os.environ["WORLD_SIZE"])
+    assert dist.get_rank() == int(os.environ["RANK"]) == int(os.environ["LOCAL_RANK"])
+    value = __import__("torch").ones(1)
+    dist.all_reduce(value)
+    assert value.item() == world_size
+    (tmp_path / f"rank{dist.get_rank()}").write_text("ok")
+    dist.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}" for r in range(world_size)]
+""")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["PASSED *test_sizes?world1?", "PASSED *test_sizes?world2?"])
+
+
+def test_failing_rank_reports_its_traceback(pytester):
+    result = run(pytester, """
+def check(value):
+    assert value == 0, f"boom from rank {value}"
+
+@pytest.mark.world_size(2)
+def test_fails_on_rank_one():
+    check(dist.get_rank())
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*--- rank 0: passed*", "*--- rank 1: failed*", "*in check*", "*boom from rank 1*"])
+
+
+def test_hanging_rank_dumps_every_stack_and_fails(pytester):
+    result = run(pytester, """
+def wait_forever():
+    time.sleep(600)
+
+@pytest.mark.world_size(2, timeout=8)
+def test_hangs():
+    if dist.get_rank() == 1:
+        wait_forever()
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*--- rank 0: passed*", "*--- rank 1: timed out*", "*stack at the deadline*",
+                                 "*in wait_forever*"])
+
+
+def test_rank_stuck_in_a_collective_after_another_failed_is_reported(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(2, timeout=60)
+def test_one_fails_other_waits():
+    if dist.get_rank() == 0:
+        raise RuntimeError("rank 0 gives up")
+    time.sleep(600)   # stands for a collective rank 0 will never join
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*--- rank 0: failed*", "*rank 0 gives up*", "*--- rank 1: stuck after another rank stopped*"])
+
+
+def test_skip_inside_ranks_is_a_skip(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(2)
+def test_skips():
+    pytest.skip("not on this machine")
+""")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*not on this machine*"])
+
+
+def test_crashed_rank_is_a_failure(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(2)
+def test_crashes():
+    if dist.get_rank() == 1:
+        os._exit(3)
+""")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*--- rank 1: crashed*", "*exited with code 3*"])
+
+
+def test_gpu_needs_are_skips_that_say_how_many(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = run(pytester, """
+@pytest.mark.world_size(2, backend="nccl")
+def test_nccl():
+    pass
+
+@pytest.mark.gpus(2)
+def test_two_gpus():
+    pass
+""")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*needs 2 GPUs for nccl, found 0*", "*needs 2 GPUs, found 0*"])
+
+
+def test_bad_world_sizes_are_a_usage_error(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(0)
+def test_nothing():
+    pass
+""")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*world_size needs one or more positive integers, got (0,)*"])

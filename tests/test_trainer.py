@@ -1,0 +1,78 @@
+"""A stock pyreft.ReftTrainer trains under HF Trainer with pyvene_dist.patch() and nothing else."""
+
+import math
+
+import pytest
+import torch
+
+from pyvene_dist.testing import ParityCase, assert_parity, train
+from pyvene_dist.testing.hf import train_with_trainer
+from pyvene_dist.testing.models import reft_model, tiny_llama
+
+CASE = ParityCase(steps=4)
+
+
+def test_reft_trainer_matches_the_harness_step_for_step(patched, tmp_path):
+    # Same model, data, AdamW and weight decay split; HF Trainer clips nothing with max_grad_norm=0.
+    record = train_with_trainer(CASE, str(tmp_path), max_grad_norm=0.0, optim="adamw_torch")
+    reference = train(CASE, "single")
+    assert len(record.losses) == CASE.steps and all(math.isfinite(loss) for loss in record.losses)
+    assert_parity(reference, record, CASE.tolerance)
+
+
+def test_weight_decay_applies_to_intervention_weights_but_never_to_originals(patched, tmp_path):
+    import pyreft
+    from transformers import TrainingArguments
+
+    model = reft_model(tiny_llama())
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    decayed = set(pyreft.ReftTrainer(model=model, args=args).get_decay_parameter_names(model))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    key = next(iter(model.interventions))
+    assert f"interventions.{key}.learned_source.weight" in decayed
+    assert f"interventions.{key}.learned_source.bias" not in decayed
+    assert f"interventions.{key}.rotate_layer.parametrizations.weight.original" in trainable
+    assert not any(name.endswith(".original") for name in decayed)
+
+
+def test_rotation_stays_orthonormal_with_weight_decay(patched, tmp_path):
+    record = train_with_trainer(ParityCase(steps=3, weight_decay=0.1), str(tmp_path))
+    assert len(record.losses) == 3
+    model_weights = record.weights
+    originals = [name for name in model_weights if name.endswith("parametrizations.weight.original")]
+    assert originals
+    for name in originals:
+        diagonal = torch.diagonal(model_weights[name])
+        assert diagonal.abs().eq(1).all(), f"{name}: the sign diagonal was decayed to {diagonal}"
+
+
+def test_sequence_classification_trainer_accepts_num_items_in_batch(patched, tmp_path):
+    import pyreft
+    from transformers import LlamaConfig, LlamaForSequenceClassification, TrainingArguments
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    base = LlamaForSequenceClassification(config)
+    model = reft_model(base, layers=(1,))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = pyreft.ReftTrainerForSequenceClassification(model=model, args=args)
+    inputs = {
+        "input_ids": torch.randint(1, 97, (4, 6)),
+        "attention_mask": torch.ones(4, 6, dtype=torch.long),
+        "labels": torch.tensor([0, 1, 2, 1]),
+        "intervention_locations": torch.full((4, 1, 1), 5),
+    }
+    loss = trainer.compute_loss(model, inputs, num_items_in_batch=torch.tensor(4))
+    assert loss.ndim == 0 and math.isfinite(loss.item())
+
+
+def test_unknown_keywords_still_fail_loudly(patched, tmp_path):
+    import pyreft
+    from transformers import TrainingArguments
+
+    model = reft_model(tiny_llama())
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = pyreft.ReftTrainer(model=model, args=args)
+    with pytest.raises(TypeError):
+        trainer.compute_loss(model)  # inputs missing: dropping keywords must not hide real mistakes
