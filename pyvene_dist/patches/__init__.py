@@ -13,6 +13,7 @@ CONCERNS = (
     "train_mode",
     "hooks",
     "devices",
+    "data_parallel",
     "trainer",
     "weight_decay",
 )

@@ -48,11 +48,13 @@ class InterventionGradients(TrainerCallback):
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
-    if case.batch_size % world_size:
-        raise ValueError(f"batch_size {case.batch_size} does not split evenly over {world_size} processes")
+    # Without torchrun, HF Trainer wraps nn.DataParallel over every visible GPU.
+    devices = world_size if world_size > 1 else max(1, torch.cuda.device_count())
+    if case.batch_size % devices:
+        raise ValueError(f"batch_size {case.batch_size} does not split evenly over {devices} devices")
     arguments = dict(
         output_dir=output_dir,
-        per_device_train_batch_size=case.batch_size // world_size,
+        per_device_train_batch_size=case.batch_size // devices,
         max_steps=case.steps,
         learning_rate=case.lr,
         weight_decay=case.weight_decay,

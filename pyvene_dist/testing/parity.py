@@ -126,6 +126,11 @@ class Strategy:
     def rank(self) -> int:
         return 0
 
+    @property
+    def devices(self) -> int:
+        """How many devices the run spans (the record's ``world_size``)."""
+        return self.world_size
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -139,6 +144,9 @@ class Strategy:
             "input_ids": batch["input_ids"][start : start + share],
             "locations": batch["locations"][:, start : start + share],
         }
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
 
     def mean(self, value: torch.Tensor) -> float:
         return value.item()
@@ -183,9 +191,30 @@ class DDP(Strategy):
         return value.item() / self.world_size
 
 
+class DataParallel(Strategy):
+    """``torch.nn.DataParallel`` over every visible GPU, in one process: it splits the whole batch itself."""
+
+    name = "dataparallel"
+
+    def __init__(self, device: str | torch.device | None = None):
+        super().__init__(device or "cuda:0")
+
+    @property
+    def devices(self) -> int:
+        return torch.cuda.device_count()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.DataParallel(model)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # One loss per replica; with equal chunks their mean is the loss of the whole batch.
+        return loss.mean()
+
+
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "single": Strategy,
     "ddp": DDP,
+    "dataparallel": DataParallel,
 }
 
 
@@ -206,7 +235,7 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
     losses, grads = [], []
     for batch in case.batches():
         shard = strategy.shard(batch)
-        loss = _loss(wrapped, shard, strategy.device)
+        loss = strategy.reduce_loss(_loss(wrapped, shard, strategy.device))
         loss.backward()
         losses.append(strategy.mean(loss))
         grads.append(strategy.full_tensors(_intervention_grads(model)))
@@ -214,7 +243,7 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         optimizer.zero_grad(set_to_none=True)
     weights = strategy.full_tensors(dict(model.interventions.named_parameters()))
     peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
-    return Record(strategy.name, strategy.world_size, losses, grads, weights, peak)
+    return Record(strategy.name, strategy.devices, losses, grads, weights, peak)
 
 
 def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""``nn.DataParallel`` over an ``IntervenableModel``: split by batch, independent replicas, right devices.
+
+What users see today with two GPUs and no torchrun (HF Trainer then wraps ``nn.DataParallel``):
+``KeyError: Parameter containing: ...`` in ``replicate`` (fixed by ``patches.parameters``); past that,
+locations split on the intervention axis or copied whole to every replica; a hook registered by one
+replica's thread firing in every replica (``Expected all tensors to be on the same device, but got
+index is on cuda:1, different from other tensors on cuda:0``); ``StopIteration`` from ``get_device``
+on a replica; and ``lazy wrapper should be called at most once`` from LoReFT's orthogonal
+parametrization, first called in DataParallel's threads.
+
+- ``DataParallel.scatter``: for an ``IntervenableModel``, every argument is split along its batch axis
+  into the chunks ``torch.chunk`` gives the input (``pyvene_dist.scatter``), and moved to its replica's
+  device. Other models go through the original untouched.
+- ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
+  pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
+  its hook dicts (hooks present before stay; new ones stay its own), ``intervention_hooks`` bound to
+  its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
+  once per device from the calling thread.
+- ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
+  ``model.device`` has no parameter to look at).
+
+Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
+as a vector, which HF Trainer averages (``loss.mean()`` when ``n_gpu > 1``).
+
+Checked on 2 x H200 with torch 2.11 and transformers 5.17; the splitting logic on CPU, torch 2.13.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+
+import torch
+
+from ..scatter import batch_size_of, chunk_sizes, split_forward_arguments
+
+SITES = (
+    "torch.nn.parallel.data_parallel:DataParallel.scatter",
+    "torch.nn.parallel.data_parallel:DataParallel.replicate",
+    "pyvene.models.intervenable_base:BaseModel.get_device",
+)
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+_REPLICA_DEVICE = "_pyvene_dist_replica_device"
+_warmed_devices: set[torch.device] = set()
+
+
+def patch(registry) -> None:
+    from pyvene.models.intervenable_base import BaseModel
+    from torch.nn.parallel.data_parallel import DataParallel
+
+    registry.wrap(DataParallel, "scatter", _wrap_scatter)
+    registry.wrap(DataParallel, "replicate", _wrap_replicate)
+    registry.wrap(BaseModel, "get_device", _wrap_get_device)
+
+
+def _wrap_scatter(wrapped, instance, args, kwargs):
+    from pyvene.models.intervenable_base import IntervenableModel
+
+    model = instance.module
+    if not isinstance(model, IntervenableModel):
+        return wrapped(*args, **kwargs)
+    inputs, module_kwargs, device_ids = _bind(wrapped, args, kwargs, "inputs", "kwargs", "device_ids")
+    arguments = inspect.signature(model.forward).bind(*inputs, **module_kwargs).arguments
+    sizes = chunk_sizes(batch_size_of(arguments["base"]), len(device_ids))
+    pieces = split_forward_arguments(model, arguments, sizes)
+    devices = [_cuda(device_id) for device_id in device_ids[: len(sizes)]]
+    return tuple(() for _ in sizes), tuple(_to_device(piece, device) for piece, device in zip(pieces, devices))
+
+
+def _wrap_replicate(wrapped, instance, args, kwargs):
+    from pyvene.models.intervenable_base import BaseModel
+
+    replicas = wrapped(*args, **kwargs)
+    original = instance.module
+    if isinstance(original, BaseModel):
+        _, device_ids = _bind(wrapped, args, kwargs, "module", "device_ids")
+        for replica, device_id in zip(replicas, device_ids):
+            device = _cuda(device_id)
+            _warm_householder(device)
+            _make_independent(replica, original, device)
+    return replicas
+
+
+def _wrap_get_device(wrapped, instance, args, kwargs):
+    device = instance.__dict__.get(_REPLICA_DEVICE)
+    return device if device is not None else wrapped(*args, **kwargs)
+
+
+def _make_independent(replica, original, device: torch.device) -> None:
+    from pyvene.models.intervention_utils import InterventionState
+
+    for module in replica.modules():
+        for name in _HOOK_DICTS:
+            module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
+    module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
+    hooks = {}
+    for key, register in original.intervention_hooks.items():
+        owner = replica.get_submodule(module_names[id(register.__self__)])
+        hooks[key] = getattr(owner, register.__name__)
+    replica.__dict__.update({
+        "intervention_hooks": hooks,
+        "activations": {},
+        "hot_activations": {},
+        "_batched_setter_activation_select": {},
+        "full_intervention_outputs": [],
+        "_intervention_state": {key: InterventionState(key) for key in original._intervention_state},
+        "_key_getter_call_counter": dict.fromkeys(original._key_getter_call_counter, 0),
+        "_key_setter_call_counter": dict.fromkeys(original._key_setter_call_counter, 0),
+        _REPLICA_DEVICE: device,
+    })
+
+
+def _warm_householder(device: torch.device) -> None:
+    # torch initialises householder_product's backend lazily, and not thread-safely.
+    if device not in _warmed_devices:
+        torch.linalg.householder_product(torch.eye(2, 1, device=device), torch.zeros(1, device=device))
+        _warmed_devices.add(device)
+
+
+def _bind(wrapped, args, kwargs, *names):
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments[name] for name in names)
+
+
+def _cuda(device_id: int) -> torch.device:
+    return torch.device("cuda", device_id)  # DataParallel keeps device_ids as indices
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
