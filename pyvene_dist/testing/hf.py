@@ -48,8 +48,10 @@ class InterventionGradients(TrainerCallback):
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
-    # Without torchrun, HF Trainer wraps nn.DataParallel over every visible GPU.
-    devices = world_size if world_size > 1 else max(1, torch.cuda.device_count())
+    # Under a launcher (WORLD_SIZE set) each process drives one device; without one, HF Trainer wraps
+    # nn.DataParallel over every visible GPU.
+    launched = "WORLD_SIZE" in os.environ
+    devices = world_size if launched else max(1, torch.cuda.device_count())
     if case.batch_size % devices:
         raise ValueError(f"batch_size {case.batch_size} does not split evenly over {devices} devices")
     arguments = dict(
