@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import settings
 
 # Extend hypothesis' own "ci" profile (derandomized, no deadline) rather than replacing it.
@@ -7,24 +8,19 @@ settings.register_profile("pyvene_dist", parent=settings.get_profile("ci"), max_
 settings.register_profile("pyvene_dist-dev", max_examples=50, deadline=None)
 settings.load_profile("pyvene_dist" if os.environ.get("CI") else "pyvene_dist-dev")
 
-import pytest
-
 
 @pytest.fixture
 def patched(monkeypatch):
-    """pyvene_dist patched for the test, and exactly as before afterwards.
-
-    To see which tests fail without a fix: PYVENE_DIST_TEST_WITHOUT=weight_decay,hooks (or "all").
-    """
+    """pyvene_dist patched for the test (see helpers.patch), and exactly as before afterwards."""
     import pyvene_dist
     from pyvene_dist import patches
 
-    without = set(filter(None, os.environ.get("PYVENE_DIST_TEST_WITHOUT", "").split(",")))
-    if "all" in without:
-        yield
-        return
-    monkeypatch.setattr(patches, "CONCERNS", tuple(c for c in patches.CONCERNS if c not in without))
-    with pyvene_dist.patched():
-        yield
+    from helpers import patch
+
+    monkeypatch.setattr(patches, "CONCERNS", patches.CONCERNS)  # helpers.patch may narrow it
+    patch()
+    yield
+    pyvene_dist.unpatch()
+
 
 pytest_plugins = ["pytester"]

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-import pyvene_dist
+import helpers
 from pyvene_dist.testing import ParityCase, assert_parity, differences, train
 
 CASES = [
@@ -17,7 +17,7 @@ CASES = [
 @pytest.mark.world_size(1, 2)
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_matches_one_process(case):
-    pyvene_dist.patch()
+    helpers.patch()
     candidate = train(case, "ddp")
     if dist.get_rank() == 0:
         reference = train(case, "single")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(tmp_path, nproc, *script_args, timeout=420):
-    out = tmp_path / f"record-{nproc}.pt"
+    out = tmp_path / f"record-{nproc}-{script_args[1] if len(script_args) > 1 else 'default'}.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(_free_port()), str(SCRIPTS / "train_with_trainer.py"), str(out), *script_args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -37,10 +37,22 @@ def _free_port():
     return free_port()
 
 
-def test_torchrun_reft_trainer_matches_one_process(tmp_path):
-    single = launch(tmp_path, 1)
-    double = launch(tmp_path, 2)
-    print("losses, 1 process:  ", single.losses)
-    print("losses, 2 processes:", double.losses)
+TRAINERS = [
+    pytest.param(("ReftTrainer",), id="ReftTrainer"),
+    pytest.param(("ReftTrainerForCausalLM",), id="ReftTrainerForCausalLM"),
+    pytest.param(("ReftTrainerForSequenceClassification", "--model", "llama-cls", "--eval-examples", "7"),
+                 id="ReftTrainerForSequenceClassification+evaluate"),
+]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
+    single = launch(tmp_path, 1, "--trainer", *trainer)
+    double = launch(tmp_path, 2, "--trainer", *trainer)
+    print(f"{trainer[0]} losses, 1 process:  ", single.losses, single.metrics)
+    print(f"{trainer[0]} losses, 2 processes:", double.losses, double.metrics)
     assert len(double.losses) == ParityCase().steps
     assert_parity(single, double, ParityCase().tolerance)
+    assert double.metrics == single.metrics
+    if "--eval-examples" in trainer:
+        assert single.metrics["eval_examples"] == 7

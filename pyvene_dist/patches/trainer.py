@@ -12,6 +12,20 @@
    ``model.forward``'s signature; ``IntervenableModel.forward(base, sources, unit_locations, ...)``
    names none of pyreft's, so ``compute_loss`` fails with ``KeyError: 'input_ids'``. The fix adds the
    columns pyreft's trainers read to the kept ones, for models that hold a pyvene ``IntervenableModel``.
+3. ``ReftTrainerForCausalLM.get_train_dataloader`` (the README's default) returns a plain shuffled
+   ``DataLoader``: under torchrun every rank silently trains on the whole dataset, and
+   ``train_sampling_strategy``, ``dataloader_drop_last`` and the data seed are ignored.
+   ``ReftTrainerForCausalLMDistributed``'s ``DistributedSampler`` never sets its epoch (the same order
+   every epoch) and ignores them too. The fix is HF Trainer's own ``get_train_dataloader``.
+4. ``ReftTrainerForSequenceClassification.evaluate(self, ignore_keys)`` requires ``ignore_keys``
+   (``trainer.evaluate()`` raises ``TypeError``), calls ``v[0].eval()`` on interventions that pyvene
+   0.1.8 no longer keeps in tuples (``TypeError: 'LoreftIntervention' object is not subscriptable``),
+   and has every rank evaluate the whole set. The fix evaluates with HF Trainer's sharded eval loader,
+   gathers predictions with ``accelerator.gather_for_metrics`` (dropping the samples a shard repeats),
+   and accepts ``eval_dataset``, ``ignore_keys`` and ``metric_key_prefix`` like ``Trainer.evaluate``.
+5. HF Trainer sets DDP's ``find_unused_parameters=True`` unless told otherwise, which costs a graph
+   traversal every step. Every parameter of a ReFT model that trains is used in every forward, so for
+   pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
 
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
@@ -29,7 +43,11 @@ TRANSFORMERS = "transformers.trainer"
 SITES = (
     f"{PYREFT}:ReftTrainer.compute_loss",
     f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss",
+    f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader",
+    f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader",
+    f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate",
     f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed",
+    f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess",
 )
 #: The batch keys pyreft's trainers read in ``compute_loss``.
 PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
@@ -43,10 +61,14 @@ def patch(registry) -> None:
 def _patch_pyreft(registry, module) -> None:
     registry.wrap(module.ReftTrainer, "compute_loss", _wrap_declared_keywords_only)
     registry.wrap(module.ReftTrainerForSequenceClassification, "compute_loss", _wrap_declared_keywords_only)
+    registry.wrap(module.ReftTrainerForCausalLM, "get_train_dataloader", _wrap_trainers_train_dataloader)
+    registry.wrap(module.ReftTrainerForCausalLMDistributed, "get_train_dataloader", _wrap_trainers_train_dataloader)
+    registry.wrap(module.ReftTrainerForSequenceClassification, "evaluate", _wrap_evaluate)
 
 
 def _patch_transformers(registry, module) -> None:
     registry.wrap(module.Trainer, "_set_signature_columns_if_needed", _wrap_set_signature_columns)
+    registry.wrap(module.Trainer, "create_accelerator_and_postprocess", _wrap_create_accelerator)
 
 
 def _wrap_declared_keywords_only(wrapped, instance, args, kwargs):
@@ -61,3 +83,58 @@ def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
     if holds_intervenable_model(instance.model):
         missing = [column for column in PYREFT_COLUMNS if column not in instance._signature_columns]
         instance._signature_columns += missing
+
+
+def _wrap_trainers_train_dataloader(wrapped, instance, args, kwargs):
+    from transformers import Trainer
+
+    return Trainer.get_train_dataloader(instance, *args, **kwargs)
+
+
+def _wrap_create_accelerator(wrapped, instance, args, kwargs):
+    arguments = instance.args
+    if arguments.ddp_find_unused_parameters is not None or not holds_intervenable_model(instance.model):
+        return wrapped(*args, **kwargs)
+    arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        arguments.ddp_find_unused_parameters = None
+
+
+def _wrap_evaluate(wrapped, instance, args, kwargs):
+    return _evaluate_sequence_classification(instance, *args, **kwargs)
+
+
+def _evaluate_sequence_classification(trainer, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+    """pyreft's evaluation (intervened logits, ``compute_metrics`` on float32 CPU tensors), sharded."""
+    import torch
+    from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
+
+    trainer._memory_tracker.start()
+    dataloader = trainer.get_eval_dataloader(eval_dataset)
+    model = trainer.model_wrapped
+    model.eval()
+    predictions, labels = [], []
+    with torch.no_grad():
+        for inputs in dataloader:
+            inputs = trainer._prepare_inputs(inputs)
+            locations = inputs["intervention_locations"].permute(1, 0, 2).tolist()
+            _, outputs = model(
+                {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+                unit_locations={"sources->base": (None, locations)},
+            )
+            predictions.append(trainer.accelerator.gather_for_metrics(outputs.logits))
+            labels.append(trainer.accelerator.gather_for_metrics(inputs["labels"]))
+    metrics = trainer.compute_metrics(EvalPrediction(
+        predictions=torch.cat(predictions).cpu().to(torch.float32),
+        label_ids=torch.cat(labels).cpu().to(torch.float32),
+    ))
+    metrics = denumpify_detensorize(metrics)
+    for key in list(metrics):
+        if not key.startswith(f"{metric_key_prefix}_"):
+            metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+    trainer.log(metrics)
+    trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
+    trainer._memory_tracker.stop_and_update_metrics(metrics)
+    return metrics

@@ -19,18 +19,24 @@ from .models import import_pyreft
 from .parity import ParityCase, Record
 
 
-def examples(case: ParityCase) -> list[dict[str, torch.Tensor]]:
+def examples(case: ParityCase, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
     """``case.batches()`` as a flat list of pyreft examples, in order: batch ``k`` is ``[k*B, (k+1)*B)``."""
     rows = []
-    for batch in case.batches():
+    for batch in case.batches(steps):
         for i, input_ids in enumerate(batch["input_ids"]):
             rows.append({
                 "input_ids": input_ids,
                 "attention_mask": torch.ones_like(input_ids),
-                "labels": input_ids,
+                "labels": batch["labels"][i],
                 "intervention_locations": batch["locations"][:, i],
             })
     return rows
+
+
+def accuracy(prediction) -> dict[str, float]:
+    """``compute_metrics`` for the classifier cases: accuracy, and the number of examples seen."""
+    predicted = prediction.predictions.argmax(-1)
+    return {"accuracy": (predicted == prediction.label_ids).float().mean().item(), "examples": len(predicted)}
 
 
 class InterventionGradients(TrainerCallback):
@@ -74,8 +80,14 @@ def training_arguments(case: ParityCase, output_dir: str, world_size: int, **ove
 
 
 def train_with_trainer(
-    case: ParityCase, output_dir: str, *, trainer_class: str = "ReftTrainer", **overrides: Any
+    case: ParityCase,
+    output_dir: str,
+    *,
+    trainer_class: str = "ReftTrainer",
+    eval_examples: int = 0,
+    **overrides: Any,
 ) -> Record:
+    """Train ``case`` with a pyreft trainer; with ``eval_examples``, then evaluate on that many new examples."""
     pyreft = import_pyreft()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     model = case.build()
@@ -84,11 +96,14 @@ def train_with_trainer(
         model=model,
         args=training_arguments(case, output_dir, world_size, **overrides),
         train_dataset=examples(case),
+        eval_dataset=examples(case, case.steps + 1)[-eval_examples:] if eval_examples else None,
+        compute_metrics=accuracy if eval_examples else None,
         callbacks=[gradients],
     )
     trainer.train()
+    metrics = trainer.evaluate() if eval_examples else {}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     weights = {
         name: parameter.detach().float().cpu().clone() for name, parameter in model.interventions.named_parameters()
     }
-    return Record(f"{trainer_class} x{world_size}", world_size, losses, gradients.steps, weights)
+    return Record(f"{trainer_class} x{world_size}", world_size, losses, gradients.steps, weights, metrics=metrics)

@@ -41,7 +41,19 @@ def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int 
     return _build(GPT2LMHeadModel, config, seed, dtype)
 
 
-BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+def tiny_llama_classifier(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+    """A tiny Llama with a 3-way classification head; token 0 is padding (the head pools the last other)."""
+    from transformers import LlamaForSequenceClassification
+
+    config = tiny_llama(seed=seed, layers=layers, hidden=hidden).config
+    config.num_labels = NUM_LABELS
+    config.pad_token_id = 0
+    return _build(LlamaForSequenceClassification, config, seed, dtype)
+
+
+NUM_LABELS = 3
+BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier}
+CLASSIFIERS = frozenset({"llama-cls"})
 
 
 def _build(model_class, config, seed: int, dtype: torch.dtype):

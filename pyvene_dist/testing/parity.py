@@ -87,15 +87,26 @@ class ParityCase:
             seed=self.seed + 1,
         )
 
-    def batches(self) -> list[dict[str, torch.Tensor]]:
-        """``steps`` global batches: token ids and pyreft-layout locations ``[interventions, batch, positions]``."""
+    def batches(self, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """Global batches: token ids, labels, and pyreft-layout locations ``[interventions, batch, positions]``.
+
+        A language model's labels are its tokens (every token counts); a classifier's are class ids.
+        """
+        steps = self.steps if steps is None else steps
         generator = torch.Generator().manual_seed(self.seed + 2)
-        shape = (self.steps, self.batch_size, self.seq_len)
+        shape = (steps, self.batch_size, self.seq_len)
         input_ids = torch.randint(models.VOCAB_SIZE, shape, generator=generator)
         locations = torch.randint(
-            self.seq_len, (self.steps, len(self.layers), self.batch_size, self.positions), generator=generator
+            self.seq_len, (steps, len(self.layers), self.batch_size, self.positions), generator=generator
         )
-        return [{"input_ids": input_ids[step], "locations": locations[step]} for step in range(self.steps)]
+        if self.model in models.CLASSIFIERS:
+            labels = torch.randint(models.NUM_LABELS, (steps, self.batch_size), generator=generator)
+        else:
+            labels = input_ids
+        return [
+            {"input_ids": input_ids[step], "labels": labels[step], "locations": locations[step]}
+            for step in range(steps)
+        ]
 
 
 @dataclasses.dataclass
@@ -108,6 +119,7 @@ class Record:
     grads: list[Tensors]
     weights: Tensors
     peak_memory_bytes: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Strategy:
@@ -142,6 +154,7 @@ class Strategy:
         start = self.rank * share
         return {
             "input_ids": batch["input_ids"][start : start + share],
+            "labels": batch["labels"][start : start + share],
             "locations": batch["locations"][:, start : start + share],
         }
 
@@ -247,11 +260,10 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
 
 
 def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    input_ids = shard["input_ids"].to(device)
     _, counterfactual = model(
-        {"input_ids": input_ids},
+        {"input_ids": shard["input_ids"].to(device)},
         unit_locations={"sources->base": (None, shard["locations"].tolist())},
-        labels=input_ids,
+        labels=shard["labels"].to(device),
     )
     return counterfactual.loss
 

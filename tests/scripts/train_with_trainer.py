@@ -1,27 +1,34 @@
 """Train ParityCase() with HF Trainer and a stock pyreft trainer; rank 0 saves the Record.
 
-    torchrun --nproc_per_node 2 train_with_trainer.py OUT.pt [--trainer ReftTrainer] [--unpatched]
+    torchrun --nproc_per_node 2 train_with_trainer.py OUT.pt [--trainer ReftTrainer] [--model llama]
+        [--eval-examples N] [--unpatched]
 """
 
 import argparse
 import dataclasses
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-import pyvene_dist
-from pyvene_dist.testing import ParityCase
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import helpers  # noqa: E402 -- pyvene_dist.patch(), minus what PYVENE_DIST_TEST_WITHOUT names
+from pyvene_dist.testing import ParityCase  # noqa: E402
 from pyvene_dist.testing.hf import train_with_trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--trainer", default="ReftTrainer")
+parser.add_argument("--model", default="llama")
+parser.add_argument("--eval-examples", type=int, default=0)
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
 if not options.unpatched:
-    pyvene_dist.patch()
+    helpers.patch()
 with tempfile.TemporaryDirectory() as output_dir:
-    record = train_with_trainer(ParityCase(), output_dir, trainer_class=options.trainer)
+    record = train_with_trainer(ParityCase(model=options.model), output_dir, trainer_class=options.trainer,
+                                eval_examples=options.eval_examples)
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save(dataclasses.asdict(record), options.out)
