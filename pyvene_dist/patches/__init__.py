@@ -14,6 +14,7 @@ CONCERNS = (
     "hooks",
     "devices",
     "data_parallel",
+    "fsdp",
     "trainer",
     "weight_decay",
 )

@@ -119,6 +119,7 @@ class Record:
     grads: list[Tensors]
     weights: Tensors
     peak_memory_bytes: int = 0
+    parameter_bytes: int = 0  # what rank 0 holds of the model's parameters after wrapping (its shards)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -204,6 +205,17 @@ class DDP(Strategy):
         return value.item() / self.world_size
 
 
+class FSDP2(DDP):
+    """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fsdp.fully_shard_model``)."""
+
+    name = "fsdp2"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from ..fsdp import fully_shard_model
+
+        return fully_shard_model(model)
+
+
 class DataParallel(Strategy):
     """``torch.nn.DataParallel`` over every visible GPU, in one process: it splits the whole batch itself."""
 
@@ -227,6 +239,7 @@ class DataParallel(Strategy):
 STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "single": Strategy,
     "ddp": DDP,
+    "fsdp2": FSDP2,
     "dataparallel": DataParallel,
 }
 
@@ -243,6 +256,7 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
 
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
     wrapped = strategy.wrap(model)
+    held = parameter_bytes(model)
     if strategy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(strategy.device)
     losses, grads = [], []
@@ -256,7 +270,16 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         optimizer.zero_grad(set_to_none=True)
     weights = strategy.full_tensors(dict(model.interventions.named_parameters()))
     peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
-    return Record(strategy.name, strategy.devices, losses, grads, weights, peak)
+    return Record(strategy.name, strategy.devices, losses, grads, weights, peak, held)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this process holds: a sharded parameter counts its local shard only."""
+    total = 0
+    for parameter in model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

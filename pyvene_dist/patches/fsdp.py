@@ -1,0 +1,134 @@
+"""FSDP (``fully_shard``, and ``FullyShardedDataParallel``) shards the base model and leaves interventions whole.
+
+When FSDP wraps a module that holds a pyvene model, the interventions' parameters are passed to it as
+ignored (``ignored_params`` for FSDP2, ``ignored_modules``/``ignored_states`` for FSDP1): they stay
+plain, replicated tensors on the device FSDP computes on, and pyvene_dist averages their gradients
+over the data-parallel group as each one is accumulated, as DDP would. The frozen base model, which
+is nearly all the bytes, is sharded as usual.
+
+Why not shard the interventions too: they are ~0.01% of the parameters, so sharding saves nothing
+measurable, and pyvene and pyreft read their weights outside their own forward, where FSDP holds them
+sharded. Sharded, LoReFT's rotation fails whenever it is read there (``RuntimeError: aten.mm.default
+got mixed torch.Tensor and DTensor`` on CPU; ``NotImplementedError: Operator
+aten.linalg_householder_product.default does not have a sharding strategy registered`` under HF
+Trainer on 2 x H200), and saving would need every rank to take part. Whole, rank 0 saves them alone.
+
+Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/``ReftModel`` itself,
+as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
+decoder layer. Sharding only ``reft_model.model`` leaves the interventions' gradients unreduced.
+
+Checked with torch 2.11 (2 x H200, nccl) and 2.13 (CPU, gloo).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+from torch import nn
+
+SITES = (
+    "torch.distributed.fsdp:fully_shard",
+    "torch.distributed.fsdp._fully_shard:fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard",
+    "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
+)
+_reduced: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
+
+
+def patch(registry) -> None:
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard as fully_shard_package
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    for module in (fsdp, fully_shard_package, fully_shard_module):
+        registry.wrap(module, "fully_shard", _wrap_fully_shard)
+    registry.wrap(FullyShardedDataParallel, "__init__", _wrap_fsdp1_init)
+
+
+def intervention_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The ``interventions`` of every pyvene model inside ``modules``."""
+    from pyvene.models.intervenable_base import BaseModel
+
+    found = []
+    for module in modules:
+        for inner in module.modules():
+            if isinstance(inner, BaseModel) and inner.interventions not in found:
+                found.append(inner.interventions)
+    return found
+
+
+def _wrap_fully_shard(wrapped, instance, args, kwargs):
+    modules = args[0] if args else kwargs["module"]
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    interventions = intervention_modules(modules)
+    if not interventions:
+        return wrapped(*args, **kwargs)
+    parameters = {p for module in interventions for p in module.parameters()}
+    kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
+    sharded = wrapped(*args, **kwargs)
+    mesh = kwargs.get("mesh") or _default_mesh(modules, parameters)
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    _place_and_reduce(interventions, _compute_device(modules, parameters), groups)
+    return sharded
+
+
+def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
+    module = args[0] if args else kwargs["module"]
+    interventions = intervention_modules([module])
+    if interventions:
+        if kwargs.get("ignored_states") is not None:
+            kwargs["ignored_states"] = list(kwargs["ignored_states"]) + [
+                p for m in interventions for p in m.parameters()
+            ]
+        else:
+            kwargs["ignored_modules"] = list(kwargs.get("ignored_modules") or ()) + interventions
+    wrapped(*args, **kwargs)
+    if interventions:
+        groups = [instance.process_group] + [g for g in [getattr(instance, "_inter_node_pg", None)] if g is not None]
+        _place_and_reduce(interventions, instance.compute_device, groups)
+
+
+def _place_and_reduce(interventions: list[nn.Module], device: torch.device, groups: list) -> None:
+    import torch.distributed as dist
+
+    size = 1
+    for group in groups:
+        size *= dist.get_world_size(group)
+    for module in interventions:
+        module.to(device)
+        for parameter in module.parameters():
+            if parameter.requires_grad and parameter not in _reduced:
+                _reduced[parameter] = parameter.register_post_accumulate_grad_hook(_averager(groups, size))
+
+
+def _averager(groups: list, size: int):
+    import torch.distributed as dist
+
+    def average(parameter: torch.Tensor) -> None:
+        for group in groups:
+            dist.all_reduce(parameter.grad, group=group)
+        parameter.grad.div_(size)
+
+    return average
+
+
+def _default_mesh(modules: list[nn.Module], ignored: set):
+    """The mesh FSDP2 built when none was given: that of any parameter it now shards."""
+    from torch.distributed.tensor import DTensor
+
+    for module in modules:
+        for parameter in module.parameters():
+            if parameter not in ignored and isinstance(parameter, DTensor):
+                return parameter.device_mesh
+    raise RuntimeError("fully_shard left no parameter sharded; pyvene_dist cannot tell its process group")
+
+
+def _compute_device(modules: list[nn.Module], ignored: set) -> torch.device:
+    for module in modules:
+        for parameter in module.parameters():
+            if parameter not in ignored:
+                return parameter.device
+    raise RuntimeError("fully_shard left no parameter to tell the compute device from")
