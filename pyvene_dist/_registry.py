@@ -37,8 +37,8 @@ def describe(owner: Any) -> str:
 class Site:
     owner: Any
     attribute: str
-    original: Any
-    proxy: wrapt.FunctionWrapper
+    original: Any  # _MISSING for an attribute pyvene_dist added
+    proxy: Any  # the wrapt.FunctionWrapper (or added attribute) now in place
 
     @property
     def name(self) -> str:
@@ -76,6 +76,18 @@ class Registry:
         setattr(owner, attribute, proxy)
         self._sites.append(Site(owner, attribute, original, proxy))
 
+    def add(self, owner: Any, attribute: str, value: Any) -> None:
+        """Give ``owner`` an attribute it does not define (``unpatch()`` deletes it again)."""
+        if self.find(owner, attribute) is not None:
+            return
+        if attribute in vars(owner):
+            raise AttributeError(
+                f"{describe(owner)} already defines {attribute!r}; pyvene_dist would replace it rather than add it. "
+                "The installed version differs from the one this patch was written for."
+            )
+        setattr(owner, attribute, value)
+        self._sites.append(Site(owner, attribute, _MISSING, value))
+
     def when_imported(self, module_name: str, apply: Callable[[Any], None]) -> None:
         """Run ``apply(module)`` now if ``module_name`` is imported, else right after its import."""
         module = sys.modules.get(module_name)
@@ -100,7 +112,10 @@ class Registry:
                 "unwrap that first"
             )
         for site in reversed(self._sites):
-            setattr(site.owner, site.attribute, site.original)
+            if site.original is _MISSING:
+                delattr(site.owner, site.attribute)
+            else:
+                setattr(site.owner, site.attribute, site.original)
         self._sites.clear()
         self._deferred.clear()
         self.active = False

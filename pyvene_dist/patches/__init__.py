@@ -15,6 +15,7 @@ CONCERNS = (
     "devices",
     "data_parallel",
     "fsdp",
+    "wrapper_attributes",
     "trainer",
     "weight_decay",
 )

@@ -46,11 +46,7 @@ class InterventionGradients(TrainerCallback):
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({
-            name: parameter.grad.detach().float().cpu().clone()
-            for name, parameter in model.interventions.named_parameters()
-            if parameter.requires_grad
-        })
+        self.steps.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
@@ -103,7 +99,48 @@ def train_with_trainer(
     trainer.train()
     metrics = trainer.evaluate() if eval_examples else {}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    weights = {
-        name: parameter.detach().float().cpu().clone() for name, parameter in model.interventions.named_parameters()
-    }
+    weights = _cpu_copies(model.interventions.named_parameters())
     return Record(f"{trainer_class} x{world_size}", world_size, losses, gradients.steps, weights, metrics=metrics)
+
+
+def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
+    """Train ``case`` with ``accelerator.prepare(model, optimizer, dataloader)``, as accelerate's docs do.
+
+    Without an ``accelerator``, ``Accelerator()`` reads its settings from ``accelerate launch``.
+    Each process loads ``batch_size / num_processes`` examples per step; accelerate shards the loader.
+    """
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from ..optim import param_groups
+
+    accelerator = accelerator or Accelerator()
+    if case.batch_size % accelerator.num_processes:
+        raise ValueError(f"batch_size {case.batch_size} does not split over {accelerator.num_processes} processes")
+    model = case.build()
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
+    loader = DataLoader(examples(case), batch_size=case.batch_size // accelerator.num_processes)
+    wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, grads = [], []
+    for inputs in loader:
+        _, outputs = wrapped(
+            {"input_ids": inputs["input_ids"]},
+            unit_locations={"sources->base": (None, inputs["intervention_locations"].permute(1, 0, 2).tolist())},
+            labels=inputs["labels"],
+        )
+        accelerator.backward(outputs.loss)
+        losses.append(accelerator.reduce(outputs.loss.detach(), "mean").item())
+        grads.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = _cpu_copies(model.interventions.named_parameters())
+    return Record("accelerate", accelerator.num_processes, losses, grads, weights)
+
+
+def _cpu_copies(named_parameters, grad: bool = False) -> dict[str, torch.Tensor]:
+    return {
+        name: (parameter.grad if grad else parameter).detach().float().cpu().clone()
+        for name, parameter in named_parameters
+        if parameter.requires_grad or not grad
+    }

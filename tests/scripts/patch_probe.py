@@ -19,6 +19,7 @@ import types
 import wrapt
 
 captured = {}
+MISSING = object()
 
 
 def sites():
@@ -40,7 +41,11 @@ def sites():
 def check_wrapped():
     seen = 0
     for site, owner, attribute in sites():
-        current = vars(owner)[attribute]
+        current = vars(owner).get(attribute)
+        if isinstance(current, property):  # an attribute pyvene_dist adds
+            assert captured.get(site, MISSING) is MISSING, f"{site} existed before patching"
+            seen += 1
+            continue
         assert isinstance(current, wrapt.FunctionWrapper), f"{site} is not wrapped: {current!r}"
         assert not isinstance(current.__wrapped__, wrapt.ObjectProxy), f"{site} is wrapped twice"
         if site in captured:
@@ -52,7 +57,10 @@ def check_wrapped():
 
 def check_restored():
     for site, owner, attribute in sites():
-        current = vars(owner)[attribute]
+        current = vars(owner).get(attribute, MISSING)
+        if captured.get(site) is MISSING or (site not in captured and current is MISSING):
+            assert current is MISSING, f"{site} was added by patching and is still there"
+            continue
         assert not isinstance(current, wrapt.ObjectProxy), f"{site} is still wrapped"
         if site in captured:
             assert current is captured[site], f"{site} is not the object found before patching"
@@ -81,7 +89,7 @@ def run(step):
         importlib.import_module("pyreft")
         importlib.import_module("transformers.trainer")
     elif step == "capture":
-        captured.update({site: vars(owner)[attribute] for site, owner, attribute in sites()})
+        captured.update({site: vars(owner).get(attribute, MISSING) for site, owner, attribute in sites()})
     elif step == "patch":
         import pyvene_dist
 

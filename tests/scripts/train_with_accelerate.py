@@ -1,0 +1,22 @@
+"""Train ParityCase() with accelerate (prepare(model, optimizer, dataloader)); the main process saves the Record.
+
+    accelerate launch --config_file docs/configs/accelerate-ddp-cpu.yaml train_with_accelerate.py OUT.pt
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import helpers  # noqa: E402 -- pyvene_dist.patch(), minus what PYVENE_DIST_TEST_WITHOUT names
+from pyvene_dist.testing import ParityCase  # noqa: E402
+from pyvene_dist.testing.hf import train_with_accelerate  # noqa: E402
+
+helpers.patch()
+record = train_with_accelerate(ParityCase())
+from accelerate import PartialState  # noqa: E402
+
+if PartialState().is_main_process:
+    torch.save(dataclasses.asdict(record), sys.argv[1])
