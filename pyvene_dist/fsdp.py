@@ -20,7 +20,7 @@ def layer_classes(model: nn.Module) -> set[str]:
     """The class names HF marks as units not to split (``_no_split_modules``), found anywhere in ``model``."""
     names: set[str] = set()
     for module in model.modules():
-        names.update(getattr(type(module), "_no_split_modules", None) or ())
+        names.update(getattr(module, "_no_split_modules", None) or ())
     return names
 
 

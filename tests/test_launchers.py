@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from launchers import run_launcher
 from pyvene_dist.testing import ParityCase, assert_parity
@@ -38,3 +39,15 @@ def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
     assert double.metrics == single.metrics
     if "--eval-examples" in trainer:
         assert single.metrics["eval_examples"] == 7
+
+
+def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path):
+    whole = launch(tmp_path, 2, "--steps", "4")
+    launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "first"), "--save-steps", "2")
+    resumed = launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "second"),
+                     "--resume-from", str(tmp_path / "first" / "checkpoint-2"))
+    print("uninterrupted:", whole.losses, "\nresumed:      ", resumed.losses)
+    assert len(resumed.grads) == 2
+    torch.testing.assert_close(torch.tensor(resumed.losses[2:]), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
+    for name, value in whole.weights.items():
+        torch.testing.assert_close(resumed.weights[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -17,6 +17,7 @@ CONCERNS = (
     "fsdp",
     "wrapper_attributes",
     "trainer",
+    "checkpoints",
     "weight_decay",
 )
 

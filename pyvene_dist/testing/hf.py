@@ -81,9 +81,14 @@ def train_with_trainer(
     *,
     trainer_class: str = "ReftTrainer",
     eval_examples: int = 0,
+    resume_from_checkpoint: str | None = None,
     **overrides: Any,
 ) -> Record:
-    """Train ``case`` with a pyreft trainer; with ``eval_examples``, then evaluate on that many new examples."""
+    """Train ``case`` with a pyreft trainer; with ``eval_examples``, then evaluate on that many new examples.
+
+    With ``resume_from_checkpoint`` the losses include those logged before the checkpoint (HF Trainer
+    restores its log) and the gradients only the steps run after it.
+    """
     pyreft = import_pyreft()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     model = case.build()
@@ -96,7 +101,7 @@ def train_with_trainer(
         compute_metrics=accuracy if eval_examples else None,
         callbacks=[gradients],
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     metrics = trainer.evaluate() if eval_examples else {}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     weights = _cpu_copies(model.interventions.named_parameters())

@@ -23,12 +23,21 @@ parser.add_argument("out")
 parser.add_argument("--trainer", default="ReftTrainer")
 parser.add_argument("--model", default="llama")
 parser.add_argument("--eval-examples", type=int, default=0)
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--output-dir", help="keep checkpoints here (default: a temporary folder)")
+parser.add_argument("--save-steps", type=int, help="write a checkpoint every N steps")
+parser.add_argument("--resume-from", help="a checkpoint folder to resume from")
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
 if not options.unpatched:
     helpers.patch()
-with tempfile.TemporaryDirectory() as output_dir:
-    record = train_with_trainer(ParityCase(model=options.model), output_dir, trainer_class=options.trainer,
-                                eval_examples=options.eval_examples)
+overrides = {}
+if options.save_steps:
+    overrides.update(save_strategy="steps", save_steps=options.save_steps)
+if options.resume_from:
+    overrides.update(resume_from_checkpoint=options.resume_from)
+with tempfile.TemporaryDirectory() as scratch:
+    record = train_with_trainer(ParityCase(model=options.model, steps=options.steps), options.output_dir or scratch,
+                                trainer_class=options.trainer, eval_examples=options.eval_examples, **overrides)
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save(dataclasses.asdict(record), options.out)

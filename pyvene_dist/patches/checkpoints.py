@@ -1,0 +1,190 @@
+"""Save once with whole weights, load onto the right device into the existing parameters, resume exactly.
+
+What fails today:
+
+- ``LoreftIntervention.state_dict`` returns pyreft's compact form (``weight``, ``bias``, and the rotation
+  as ``rotate_layer``) even when a parent module asks for its part of a state dict: the parent ignores
+  the returned dict, so ``reft_model.state_dict()`` silently lacks every LoReFT weight (HF Trainer,
+  accelerate and FSDP checkpoints included). When nested, it now gives ``nn.Module``'s entries; called
+  on its own (as pyvene's ``save_intervention`` does) it keeps pyreft's file format.
+- ``LoreftIntervention.load_state_dict`` builds a new rotation layer, so an optimizer (or DDP, FSDP,
+  DeepSpeed) keeps updating the old parameters. It now copies into the existing ones: the rotation
+  through the parametrization's ``right_inverse`` (exact to rounding), the rest in place.
+- ``IntervenableModel.load_intervention`` loads with ``map_location='cuda:0'``: on a CPU machine
+  ``RuntimeError: Attempting to deserialize object on a CUDA device``, on rank 1 a copy on the wrong
+  GPU. It now loads onto each intervention's own device.
+- Resuming HF Trainer from a ``ReftTrainer`` checkpoint fails with ``ValueError: Can't find a valid
+  checkpoint at .../checkpoint-N`` (pyreft writes ``intervenable_model/`` there, HF Trainer looks for
+  ``model.safetensors``). It now loads ``intervenable_model/``. Since pyreft's compact form stores the
+  rotation and not the parametrization's ``original`` that the optimizer's state refers to,
+  ``save_intervention`` also writes ``intervention_states.bin`` (every intervention's ``nn.Module``
+  state), which ``load_intervention`` prefers: the resumed run then continues exactly.
+- ``ReftTrainer.save_model`` saves on rank 0 only, which is right for whole weights and deadlocks for
+  partitioned ones (ZeRO-3). Every rank now calls ``save_intervention``, which gathers what is
+  partitioned (``pyvene_dist.gather``) and writes on rank 0.
+
+Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+
+PYVENE = "pyvene.models.intervenable_base"
+PYREFT = "pyreft"
+TRANSFORMERS = "transformers.trainer"
+SITES = (
+    f"{PYVENE}:IntervenableModel.save_intervention",
+    f"{PYVENE}:IntervenableModel.load_intervention",
+    "pyreft.interventions:LoreftIntervention.state_dict",
+    "pyreft.interventions:LoreftIntervention.load_state_dict",
+    "pyreft.reft_trainer:ReftTrainer.save_model",
+    f"{TRANSFORMERS}:Trainer._load_from_checkpoint",
+)
+#: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
+STATES_FILE = "intervention_states.bin"
+INTERVENTIONS_DIR = "intervenable_model"
+
+
+def patch(registry) -> None:
+    from pyvene.models.intervenable_base import IntervenableModel
+
+    registry.wrap(IntervenableModel, "save_intervention", _wrap_save_intervention)
+    registry.wrap(IntervenableModel, "load_intervention", _wrap_load_intervention)
+    registry.when_imported(PYREFT, functools.partial(_patch_pyreft, registry))
+    registry.when_imported(TRANSFORMERS, functools.partial(_patch_transformers, registry))
+
+
+def _patch_pyreft(registry, module) -> None:
+    from pyreft.interventions import LoreftIntervention
+    from pyreft.reft_trainer import ReftTrainer
+
+    registry.wrap(LoreftIntervention, "state_dict", _wrap_loreft_state_dict)
+    registry.wrap(LoreftIntervention, "load_state_dict", _wrap_loreft_load_state_dict)
+    registry.wrap(ReftTrainer, "save_model", _wrap_save_model)
+
+
+def _patch_transformers(registry, module) -> None:
+    registry.wrap(module.Trainer, "_load_from_checkpoint", _wrap_load_from_checkpoint)
+
+
+# -- LoReFT's state ------------------------------------------------------------------------------
+
+
+def _wrap_loreft_state_dict(wrapped, instance, args, kwargs):
+    if args or kwargs:  # a parent module collecting its state: nn.Module's entries, into its destination
+        return nn.Module.state_dict(instance, *args, **kwargs)
+    return wrapped()
+
+
+def _wrap_loreft_load_state_dict(wrapped, instance, args, kwargs):
+    state = args[0] if args else kwargs["state_dict"]
+    if "rotate_layer" not in state:  # nn.Module's own form
+        return nn.Module.load_state_dict(instance, *args, **kwargs)
+    source = {key: value for key, value in state.items() if key != "rotate_layer"}
+    instance.learned_source.load_state_dict(source)
+    with torch.no_grad():
+        rotation = state["rotate_layer"].to(instance.rotate_layer.parametrizations.weight.original.device)
+        instance.rotate_layer.weight = rotation  # right_inverse writes into the existing parameters
+    return None
+
+
+# -- saving and loading --------------------------------------------------------------------------
+
+
+def _wrap_save_intervention(wrapped, instance, args, kwargs):
+    from pyvene.models.interventions import TrainableIntervention
+
+    from ..gather import gathered, is_main_process
+
+    save_directory, include_model = _bind_directory(args, kwargs, default_include_model=True)
+    with gathered(instance):
+        files = {
+            f"intkey_{key}.bin": _cpu(intervention.state_dict())
+            for key, intervention in instance.interventions.items()
+            if isinstance(intervention, TrainableIntervention)
+        }
+        files[STATES_FILE] = _cpu(instance.interventions.state_dict())
+        if include_model:
+            files["pytorch_model.bin"] = {
+                name: parameter.detach().cpu() for name, parameter in instance.model.named_parameters()
+                if parameter.requires_grad
+            }
+    if is_main_process():
+        os.makedirs(save_directory, exist_ok=True)
+        for name, content in files.items():
+            torch.save(content, os.path.join(save_directory, name))
+
+
+def _wrap_load_intervention(wrapped, instance, args, kwargs):
+    from pyvene.models.interventions import TrainableIntervention
+
+    from ..gather import gathered
+
+    load_directory, include_model = _bind_directory(args, kwargs, default_include_model=True)
+    states_file = os.path.join(load_directory, STATES_FILE)
+    with gathered(instance, modify=True):
+        if os.path.exists(states_file):
+            state = torch.load(states_file, map_location="cpu", weights_only=True)
+            instance.interventions.load_state_dict(state)
+        else:
+            for key, intervention in instance.interventions.items():
+                if isinstance(intervention, TrainableIntervention):
+                    path = os.path.join(load_directory, f"intkey_{key}.bin")
+                    intervention.load_state_dict(torch.load(path, map_location=_device_of(intervention),
+                                                            weights_only=True))
+        if include_model:
+            path = os.path.join(load_directory, "pytorch_model.bin")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            instance.model.load_state_dict(state, strict=False)
+
+
+def _wrap_save_model(wrapped, instance, args, kwargs):
+    import torch.distributed as dist
+
+    from ..gather import is_main_process
+
+    output_dir = args[0] if args else kwargs.get("output_dir") or instance.args.output_dir
+    target = os.path.join(output_dir, INTERVENTIONS_DIR)
+    skip = [is_main_process() and os.path.isdir(target) and bool(os.listdir(target))]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(skip, src=0)  # every rank must agree: saving may gather
+    if skip[0]:
+        from transformers.utils import logging
+
+        logging.get_logger(__name__).warning(f"{target} already holds files; not overwriting them (as pyreft)")
+        return
+    instance.model.save_intervention(save_directory=target, include_model=True)
+
+
+def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):
+    from ._models import holds_intervenable_model, unwrap_intervenable_model
+
+    checkpoint = args[0] if args else kwargs["resume_from_checkpoint"]
+    model = (args[1] if len(args) > 1 else kwargs.get("model")) or instance.model
+    directory = os.path.join(checkpoint, INTERVENTIONS_DIR)
+    if not (holds_intervenable_model(model) and os.path.isdir(directory)):
+        return wrapped(*args, **kwargs)
+    unwrap_intervenable_model(model).load_intervention(directory, include_model=True)
+    return None
+
+
+def _bind_directory(args, kwargs, *, default_include_model: bool):
+    directory = args[0] if args else kwargs.get("save_directory", kwargs.get("load_directory"))
+    include_model = args[1] if len(args) > 1 else kwargs.get("include_model", default_include_model)
+    return directory, include_model
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _cpu(state: dict) -> dict:
+    return {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            for key, value in state.items()}

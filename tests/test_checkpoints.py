@@ -1,0 +1,122 @@
+"""Save once with whole weights, load onto the right device into the same parameters, resume exactly."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import helpers
+from pyvene_dist.testing import ParityCase, assert_parity
+from pyvene_dist.testing.hf import train_with_trainer
+
+CASE = ParityCase(steps=4)
+
+
+def trained_model():
+    from pyvene_dist.testing import train  # noqa: F401 -- the harness trains in place of a user loop
+
+    model = CASE.build()
+    optimizer = torch.optim.Adam(model.get_trainable_parameters(), lr=0.05)
+    for batch in CASE.batches():
+        _, out = model({"input_ids": batch["input_ids"]},
+                       unit_locations={"sources->base": (None, batch["locations"].tolist())}, labels=batch["labels"])
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def intervention_state(model):
+    return {k: v.clone() for k, v in model.interventions.state_dict().items()}
+
+
+def test_model_state_dict_holds_the_loreft_weights(patched):
+    state = ParityCase().build().state_dict()
+    key = "interventions.layer_0_comp_block_output_unit_pos_nunit_1#0"
+    assert f"{key}.rotate_layer.parametrizations.weight.original" in state
+    assert f"{key}.learned_source.weight" in state
+
+
+def test_direct_state_dict_keeps_pyrefts_file_format(patched):
+    intervention = next(iter(ParityCase().build().interventions.values()))
+    assert set(intervention.state_dict()) == {"weight", "bias", "rotate_layer"}
+
+
+def test_save_then_load_is_exact_and_keeps_the_parameters(patched, tmp_path):
+    source = trained_model()
+    source.save_intervention(str(tmp_path))
+    target = CASE.build()
+    parameters = list(target.parameters())
+    optimizer = torch.optim.SGD(target.get_trainable_parameters(), lr=0.1)
+    target.load_intervention(str(tmp_path))
+    assert list(target.parameters()) == parameters
+    for name, value in intervention_state(source).items():
+        assert torch.equal(target.interventions.state_dict()[name], value), name
+    # The optimizer made before loading still trains what the model uses.
+    before = intervention_state(target)
+    batch = CASE.batches()[0]
+    target({"input_ids": batch["input_ids"]}, unit_locations={"sources->base": (None, batch["locations"].tolist())},
+           labels=batch["labels"])[1].loss.backward()
+    optimizer.step()
+    assert any(not torch.equal(before[k], v) for k, v in target.interventions.state_dict().items())
+
+
+def test_pyrefts_own_files_load_in_place_on_cpu(patched, tmp_path):
+    source = trained_model()
+    source.save_intervention(str(tmp_path))
+    os.remove(tmp_path / "intervention_states.bin")  # as written by stock pyreft: the compact form only
+    target = CASE.build()
+    parameters = list(target.parameters())
+    target.load_intervention(str(tmp_path))  # pyvene loads with map_location='cuda:0'
+    assert list(target.parameters()) == parameters
+    for (key, want), got in zip(source.interventions.items(), target.interventions.values()):
+        torch.testing.assert_close(got.rotate_layer.weight, want.rotate_layer.weight, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.learned_source.weight, want.learned_source.weight, rtol=0, atol=0)
+
+
+def test_resume_from_a_trainer_checkpoint_continues_exactly(patched, tmp_path):
+    whole = train_with_trainer(CASE, str(tmp_path / "whole"))
+    train_with_trainer(CASE, str(tmp_path / "first"), save_strategy="steps", save_steps=2)
+    resumed = train_with_trainer(CASE, str(tmp_path / "second"),
+                                 resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
+    print("uninterrupted:", whole.losses, "\nresumed:      ", resumed.losses)
+    assert len(resumed.grads) == 2  # two steps ran after the checkpoint; the log holds the first two too
+    torch.testing.assert_close(torch.tensor(resumed.losses[2:]), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
+    for name, value in whole.weights.items():
+        torch.testing.assert_close(resumed.weights[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.world_size(2)
+def test_ddp_saves_once_with_whole_weights(tmp_path):
+    helpers.patch()
+    model = CASE.build()
+    writes = []
+    real_save = torch.save
+    torch.save = lambda obj, path, *a, **k: (writes.append(str(path)), real_save(obj, path, *a, **k))
+    try:
+        model.save_intervention(str(tmp_path / "saved"))
+    finally:
+        torch.save = real_save
+    dist.barrier()
+    if dist.get_rank() == 0:
+        assert len(writes) == 4  # two interventions, their states, the (empty) model file
+    else:
+        assert writes == []
+
+
+@pytest.mark.world_size(2)
+def test_fsdp2_model_saves_what_one_device_loads(tmp_path):
+    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.testing import train
+
+    helpers.patch()
+    model = fully_shard_model(CASE.build())
+    model.save_intervention(str(tmp_path / "saved"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        single = ParityCase(seed=7).build()
+        single.load_intervention(str(tmp_path / "saved"))
+        for name, value in model.interventions.state_dict().items():
+            assert torch.equal(single.interventions.state_dict()[name], value), name
+    del train
