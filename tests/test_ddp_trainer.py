@@ -45,3 +45,23 @@ def test_ddp_parity_at_other_components(case):
     candidate = train(case, "ddp")
     if dist.get_rank() == 0:
         assert_parity(train(case, "single"), candidate, case.tolerance)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_ranks_with_different_interventions_fail_at_setup(wrap):
+    import torch
+
+    from pyvene_dist.fsdp import fully_shard_model
+
+    helpers.patch()
+    model = ParityCase(layers=(dist.get_rank(),)).build()  # same shapes, different layers: DDP would run
+    with pytest.raises(ValueError) as error:
+        if wrap == "ddp":
+            torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            fully_shard_model(model)
+    message = str(error.value)
+    assert "the ranks built different interventions" in message
+    assert "rank 0 has layer_0_comp_block_output_unit_pos_nunit_1#0 (LoreftIntervention at layer 0" in message
+    assert "rank 1 has layer_1_comp_block_output_unit_pos_nunit_1#0" in message

@@ -14,6 +14,7 @@ CONCERNS = (
     "hooks",
     "devices",
     "data_parallel",
+    "consistency",
     "fsdp",
     "wrapper_attributes",
     "trainer",

@@ -28,6 +28,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .consistency import check_same_interventions
+
 SITES = (
     "torch.distributed.fsdp:fully_shard",
     "torch.distributed.fsdp._fully_shard:fully_shard",
@@ -66,6 +68,8 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     interventions = intervention_modules(modules)
     if not interventions:
         return wrapped(*args, **kwargs)
+    for module in modules:
+        check_same_interventions(module, kwargs["mesh"].get_group() if kwargs.get("mesh") is not None else None)
     parameters = {p for module in interventions for p in module.parameters()}
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
@@ -79,6 +83,7 @@ def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     module = args[0] if args else kwargs["module"]
     interventions = intervention_modules([module])
     if interventions:
+        check_same_interventions(module, kwargs.get("process_group"))
         if kwargs.get("ignored_states") is not None:
             kwargs["ignored_states"] = list(kwargs["ignored_states"]) + [
                 p for m in interventions for p in m.parameters()
