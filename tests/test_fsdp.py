@@ -52,3 +52,31 @@ def test_fully_shard_without_pyvene_models_is_untouched():
     layer = torch.nn.Linear(4, 4)
     fully_shard(layer)
     assert all(isinstance(p, DTensor) for p in layer.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.world_size(2, backend="nccl")
+@pytest.mark.parametrize("case", CASES[:2])
+def test_fsdp1_by_hand_matches_one_gpu(case):
+    helpers.patch()
+    candidate = train(case, "fsdp1")
+    if dist.get_rank() == 0:
+        reference = train(case, "single")
+        print(f"fsdp1 {case.model}: {differences(reference, candidate)}")
+        assert_parity(reference, candidate, case.tolerance)
+
+
+MEMORY_CASE = ParityCase(hidden_size=2048, num_layers=16, batch_size=8, seq_len=256, steps=2, lr=1e-3)
+
+
+@pytest.mark.world_size(2, backend="nccl", timeout=600)
+def test_fsdp2_holds_half_the_parameters_of_ddp():
+    helpers.patch()
+    records = {strategy: train(MEMORY_CASE, strategy) for strategy in ("ddp", "fsdp2")}
+    if dist.get_rank() == 0:
+        ddp, fsdp = records["ddp"], records["fsdp2"]
+        print(f"0.6B Llama fp32 on 2 GPUs, rank 0: parameters DDP {ddp.parameter_bytes / 2**30:.2f} GiB, "
+              f"FSDP2 {fsdp.parameter_bytes / 2**30:.2f} GiB; peak DDP {ddp.peak_memory_bytes / 2**30:.2f} GiB, "
+              f"FSDP2 {fsdp.peak_memory_bytes / 2**30:.2f} GiB; losses {ddp.losses} vs {fsdp.losses}")
+        assert fsdp.parameter_bytes < 0.55 * ddp.parameter_bytes
+        assert_parity(ddp, fsdp, MEMORY_CASE.tolerance)

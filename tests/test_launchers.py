@@ -51,3 +51,17 @@ def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path):
     torch.testing.assert_close(torch.tensor(resumed.losses[2:]), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
     for name, value in whole.weights.items():
         torch.testing.assert_close(resumed.weights[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("version", [2, 1])
+def test_torchrun_hf_trainer_fsdp_matches_one_process(tmp_path, version):
+    import transformers
+    from packaging.version import Version
+
+    if version == 1 and Version(transformers.__version__) >= Version("5.20"):
+        pytest.skip("HF Trainer dropped FSDP1 in transformers 5.20")
+    single = launch(tmp_path, 1)
+    sharded = launch(tmp_path, 2, "--fsdp", str(version))
+    print(f"HF Trainer FSDP{version}: 1 process {single.losses}\n2 processes {sharded.losses}")
+    assert_parity(single, sharded, ParityCase().tolerance)

@@ -52,6 +52,8 @@ class ParityCase:
     """What to train. Every field takes part in the result; the defaults run in seconds on a CPU."""
 
     model: str = "llama"
+    hidden_size: int = 32
+    num_layers: int = 2
     intervention: str = "LoreftIntervention"
     layers: tuple[int, ...] = (0, 1)
     component: str = "block_output"
@@ -76,7 +78,9 @@ class ParityCase:
     def build(self):
         if self.model not in models.BASE_MODELS:
             raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
-        base = models.BASE_MODELS[self.model](seed=self.seed, dtype=self.torch_dtype)
+        base = models.BASE_MODELS[self.model](
+            seed=self.seed, dtype=self.torch_dtype, layers=self.num_layers, hidden=self.hidden_size
+        )
         return models.reft_model(
             base,
             layers=self.layers,
@@ -216,6 +220,22 @@ class FSDP2(DDP):
         return fully_shard_model(model)
 
 
+class FSDP1(DDP):
+    """``FullyShardedDataParallel`` (FSDP1) with one unit per decoder layer; needs one GPU per rank."""
+
+    name = "fsdp1"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from ..fsdp import layer_classes
+
+        names = layer_classes(model)
+        classes = {type(module) for module in model.modules() if type(module).__name__ in names}
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes), device_id=self.device)
+
+
 class DataParallel(Strategy):
     """``torch.nn.DataParallel`` over every visible GPU, in one process: it splits the whole batch itself."""
 
@@ -240,6 +260,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "single": Strategy,
     "ddp": DDP,
     "fsdp2": FSDP2,
+    "fsdp1": FSDP1,
     "dataparallel": DataParallel,
 }
 

@@ -27,6 +27,7 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--output-dir", help="keep checkpoints here (default: a temporary folder)")
 parser.add_argument("--save-steps", type=int, help="write a checkpoint every N steps")
 parser.add_argument("--resume-from", help="a checkpoint folder to resume from")
+parser.add_argument("--fsdp", type=int, choices=(1, 2), help="HF Trainer's FSDP, this version (GPUs only)")
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
 if not options.unpatched:
@@ -36,6 +37,8 @@ if options.save_steps:
     overrides.update(save_strategy="steps", save_steps=options.save_steps)
 if options.resume_from:
     overrides.update(resume_from_checkpoint=options.resume_from)
+if options.fsdp:
+    overrides.update(fsdp=True, fsdp_config={"version": options.fsdp})
 with tempfile.TemporaryDirectory() as scratch:
     record = train_with_trainer(ParityCase(model=options.model, steps=options.steps), options.output_dir or scratch,
                                 trainer_class=options.trainer, eval_examples=options.eval_examples, **overrides)
