@@ -84,6 +84,11 @@ def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     interventions = intervention_modules([module])
     if interventions:
         check_same_interventions(module, kwargs.get("process_group"))
+        device_id = kwargs.get("device_id")
+        if device_id is not None:  # FSDP moves what it manages there; sync_module_states wants the rest there too
+            device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+            for intervention in interventions:
+                intervention.to(device)
         if kwargs.get("ignored_states") is not None:
             kwargs["ignored_states"] = list(kwargs["ignored_states"]) + [
                 p for m in interventions for p in m.parameters()
