@@ -1,10 +1,12 @@
-"""Whole intervention weights for the moments code reads them outside a forward (saving, loading).
+"""Whole intervention weights for the moments code reads or writes them outside a forward (save, load).
 
 Under DDP, DataParallel and FSDP (which pyvene_dist keeps from sharding interventions) the weights are
-already whole and ``gathered`` does nothing. Under DeepSpeed ZeRO-3 they are partitioned: ``gathered``
-is ``deepspeed.zero.GatheredParameters`` over the interventions' parameters, a collective that every
-rank must enter; with ``modify=True`` what rank 0 writes is partitioned again on exit. Nothing stays
-gathered after the block.
+already whole. Under DeepSpeed ZeRO-3 they are partitioned: ``gathered`` is
+``deepspeed.zero.GatheredParameters`` over the interventions' parameters, a collective that every rank
+must enter; nothing stays gathered after the block. With ``modify=True`` what is written inside is
+kept: partitioned again on exit (from rank 0, which read the same file as every rank), and copied into
+the optimizer's fp32 master weights, which ZeRO (every stage) keeps apart from the model's and would
+otherwise write back over the loaded values at the next step.
 """
 
 from __future__ import annotations
@@ -28,11 +30,26 @@ def partitioned(parameters) -> list[nn.Parameter]:
 
 @contextlib.contextmanager
 def gathered(model: nn.Module, *, modify: bool = False) -> Iterator[None]:
-    parameters = partitioned(model.interventions.parameters())
-    if not parameters:
+    parameters = list(model.interventions.parameters())
+    split = partitioned(parameters)
+    if not split:
         yield
+        if modify:
+            _update_optimizer_masters(parameters)
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=0 if modify else None):
+    with deepspeed.zero.GatheredParameters(split, modifier_rank=0 if modify else None):
         yield
+        if modify:
+            _update_optimizer_masters(parameters)
+
+
+def _update_optimizer_masters(parameters: list[nn.Parameter]) -> None:
+    managed = [p for p in parameters if p.requires_grad and (hasattr(p, "_hp_mapping") or hasattr(p, "_z3_optimizer"))]
+    if not managed:
+        return
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for parameter in managed:
+        safe_set_full_fp32_param(parameter, parameter.data.detach().float().clone())

@@ -1,7 +1,11 @@
 import os
 
 import pytest
+import torch
 from hypothesis import settings
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU, for this process and the ranks it spawns
 
 # Extend hypothesis' own "ci" profile (derandomized, no deadline) rather than replacing it.
 settings.register_profile("pyvene_dist", parent=settings.get_profile("ci"), max_examples=200)

@@ -16,6 +16,7 @@ CONCERNS = (
     "data_parallel",
     "consistency",
     "fsdp",
+    "deepspeed",
     "wrapper_attributes",
     "trainer",
     "checkpoints",

@@ -103,12 +103,14 @@ def _wrap_save_intervention(wrapped, instance, args, kwargs):
 
     save_directory, include_model = _bind_directory(args, kwargs, default_include_model=True)
     with gathered(instance):
-        files = {
+        # The plain reads first: pyreft's compact form calls the rotation's parametrization, a module
+        # call after which ZeRO-3 partitions its parameter again, gathered block or not.
+        files = {STATES_FILE: _cpu(instance.interventions.state_dict())}
+        files.update({
             f"intkey_{key}.bin": _cpu(intervention.state_dict())
             for key, intervention in instance.interventions.items()
             if isinstance(intervention, TrainableIntervention)
-        }
-        files[STATES_FILE] = _cpu(instance.interventions.state_dict())
+        })
         if include_model:
             files["pytorch_model.bin"] = {
                 name: parameter.detach().cpu() for name, parameter in instance.model.named_parameters()

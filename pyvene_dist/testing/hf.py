@@ -10,6 +10,7 @@ Launched by torchrun, the same call is the distributed run: HF Trainer shards th
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -40,13 +41,18 @@ def accuracy(prediction) -> dict[str, float]:
 
 
 class InterventionGradients(TrainerCallback):
-    """Keeps a CPU copy of every intervention gradient just before each optimizer step."""
+    """Keeps a CPU copy of every intervention gradient just before each optimizer step.
+
+    Not under DeepSpeed: accelerate's DeepSpeed backward already steps the engine, so no gradient is
+    left to read when this event fires.
+    """
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
+        if not args.deepspeed:
+            self.steps.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
@@ -75,6 +81,26 @@ def training_arguments(case: ParityCase, output_dir: str, world_size: int, **ove
     return TrainingArguments(**arguments)
 
 
+def deepspeed_config(stage: str) -> dict:
+    """An HF Trainer DeepSpeed config for ZeRO ``stage`` ("1", "2", "3", "3-offload"), sizes left to "auto"."""
+    level, _, offload = stage.partition("-")
+    zero: dict[str, Any] = {"stage": int(level)}
+    if level == "3":
+        zero["stage3_param_persistence_threshold"] = 0  # partition everything, interventions included
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if level == "3":
+            zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+
+
 def train_with_trainer(
     case: ParityCase,
     output_dir: str,
@@ -91,11 +117,14 @@ def train_with_trainer(
     """
     pyreft = import_pyreft()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    # Arguments first, as users write it: with a ZeRO-3 DeepSpeed config, the model is then built
+    # partitioned (deepspeed.zero.Init), as from_pretrained would build it.
+    arguments = training_arguments(case, output_dir, world_size, **overrides)
     model = case.build()
     gradients = InterventionGradients()
     trainer = getattr(pyreft, trainer_class)(
         model=model,
-        args=training_arguments(case, output_dir, world_size, **overrides),
+        args=arguments,
         train_dataset=examples(case),
         eval_dataset=examples(case, case.steps + 1)[-eval_examples:] if eval_examples else None,
         compute_metrics=accuracy if eval_examples else None,
@@ -127,6 +156,8 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
     loader = DataLoader(examples(case), batch_size=case.batch_size // accelerator.num_processes)
     wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # accelerate's DeepSpeed backward also steps the engine: no gradient is left to read after it.
+    record_grads = accelerator.distributed_type != "DEEPSPEED"
     losses, grads = [], []
     for inputs in loader:
         _, outputs = wrapped(
@@ -136,7 +167,8 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
         )
         accelerator.backward(outputs.loss)
         losses.append(accelerator.reduce(outputs.loss.detach(), "mean").item())
-        grads.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
+        if record_grads:
+            grads.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
         optimizer.step()
         optimizer.zero_grad()
     weights = _cpu_copies(model.interventions.named_parameters())
@@ -144,8 +176,27 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
 
 
 def _cpu_copies(named_parameters, grad: bool = False) -> dict[str, torch.Tensor]:
+    """CPU copies of parameters or their gradients, whole also when DeepSpeed ZeRO holds them split
+    (reading those is a collective: every rank calls this at the same point)."""
+    read = _full_grad if grad else _full_value
     return {
-        name: (parameter.grad if grad else parameter).detach().float().cpu().clone()
+        name: read(parameter).detach().float().cpu().clone()
         for name, parameter in named_parameters
         if parameter.requires_grad or not grad
     }
+
+
+def _full_grad(parameter: torch.nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None and "deepspeed" in sys.modules:
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(parameter)
+    return parameter.grad
+
+
+def _full_value(parameter: torch.nn.Parameter) -> torch.Tensor:
+    if hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping"):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(parameter)
+    return parameter

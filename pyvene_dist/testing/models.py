@@ -61,7 +61,39 @@ def _build(model_class, config, seed: int, dtype: torch.dtype):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
+    if _zero3_enabled():
+        model = _reload_partitioned(model)
     return model.to(dtype)
+
+
+def _reload_partitioned(model):
+    """The same weights through ``from_pretrained``, which under HF's DeepSpeed ZeRO-3 config builds the
+    model partitioned (``deepspeed.zero.Init``) and loads into the partitions, as users' models arrive.
+    In a process group HF writes on rank 0 only, so the ranks share rank 0's folder."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    directory = [tempfile.mkdtemp(prefix="pyvene-dist-model") if not grouped or dist.get_rank() == 0 else None]
+    if grouped:
+        dist.broadcast_object_list(directory, src=0)
+    model.save_pretrained(directory[0])
+    if grouped:
+        dist.barrier()
+    reloaded = type(model).from_pretrained(directory[0], attn_implementation="eager")
+    if grouped:
+        dist.barrier()
+    if not grouped or dist.get_rank() == 0:
+        shutil.rmtree(directory[0])
+    return reloaded
+
+
+def _zero3_enabled() -> bool:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def reft_model(

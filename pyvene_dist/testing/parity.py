@@ -151,6 +151,23 @@ class Strategy:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, case: "ParityCase"):
+        """The callable to train and the optimizer to step (an engine may replace both)."""
+        return self.wrap(model), optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def intervention_grads(self, model: nn.Module) -> Tensors:
+        return self.full_tensors(_intervention_grads(model))
+
+    def intervention_weights(self, model: nn.Module) -> Tensors:
+        return self.full_tensors(dict(model.interventions.named_parameters()))
+
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         size = batch["input_ids"].shape[0]
         if size % self.world_size:
@@ -236,6 +253,64 @@ class FSDP1(DDP):
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes), device_id=self.device)
 
 
+class DeepSpeed(DDP):
+    """``deepspeed.initialize`` with ZeRO ``stage``; ``offload`` puts parameters (stage 3) and optimizer on CPU.
+
+    Every parameter is partitioned (``stage3_param_persistence_threshold: 0``), the interventions too.
+    Gradients and weights are read whole with ``deepspeed.utils.safe_get_full_grad``/``_fp32_param``.
+    """
+
+    def __init__(self, stage: int, offload: bool = False, device: str | torch.device | None = None):
+        super().__init__(device)
+        self.stage, self.offload = stage, offload
+        self.name = f"zero{stage}" + ("-offload" if offload else "")
+        self.engine = None
+
+    def config(self, batch_size: int) -> dict:
+        zero: dict = {"stage": self.stage}
+        if self.stage == 3:
+            zero["stage3_param_persistence_threshold"] = 0
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            if self.stage == 3:
+                zero["offload_param"] = {"device": "cpu"}
+        return {
+            "train_micro_batch_size_per_gpu": batch_size // self.world_size,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # the same torch AdamW as the reference
+        }
+
+    def prepare(self, model, optimizer, case):
+        import deepspeed
+
+        self.engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.config(case.batch_size)
+        )
+        return self.engine, optimizer
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self, optimizer):
+        self.engine.step()
+
+    def intervention_grads(self, model):
+        from deepspeed.utils import safe_get_full_grad
+
+        return self.full_tensors({
+            name: safe_get_full_grad(p) for name, p in model.interventions.named_parameters() if p.requires_grad
+        })
+
+    def intervention_weights(self, model):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return self.full_tensors({
+            name: safe_get_full_fp32_param(p) for name, p in model.interventions.named_parameters()
+        })
+
+
 class DataParallel(Strategy):
     """``torch.nn.DataParallel`` over every visible GPU, in one process: it splits the whole batch itself."""
 
@@ -261,6 +336,11 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "ddp": DDP,
     "fsdp2": FSDP2,
     "fsdp1": FSDP1,
+    "zero1": lambda device=None: DeepSpeed(1, device=device),
+    "zero2": lambda device=None: DeepSpeed(2, device=device),
+    "zero3": lambda device=None: DeepSpeed(3, device=device),
+    "zero2-offload": lambda device=None: DeepSpeed(2, offload=True, device=device),
+    "zero3-offload": lambda device=None: DeepSpeed(3, offload=True, device=device),
     "dataparallel": DataParallel,
 }
 
@@ -276,7 +356,7 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
     from ..optim import param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
-    wrapped = strategy.wrap(model)
+    wrapped, optimizer = strategy.prepare(model, optimizer, case)
     held = parameter_bytes(model)
     if strategy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(strategy.device)
@@ -284,12 +364,11 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
     for batch in case.batches():
         shard = strategy.shard(batch)
         loss = strategy.reduce_loss(_loss(wrapped, shard, strategy.device))
-        loss.backward()
+        strategy.backward(loss)
         losses.append(strategy.mean(loss))
-        grads.append(strategy.full_tensors(_intervention_grads(model)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    weights = strategy.full_tensors(dict(model.interventions.named_parameters()))
+        grads.append(strategy.intervention_grads(model))
+        strategy.step(optimizer)
+    weights = strategy.intervention_weights(model)
     peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
     return Record(strategy.name, strategy.devices, losses, grads, weights, peak, held)
 
@@ -298,7 +377,10 @@ def parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this process holds: a sharded parameter counts its local shard only."""
     total = 0
     for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        if hasattr(parameter, "ds_tensor"):  # DeepSpeed ZeRO-3: this rank's partition
+            local = parameter.ds_tensor
+        else:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         total += local.numel() * local.element_size()
     return total
 
@@ -348,9 +430,16 @@ def differences(reference: Record, candidate: Record) -> Differences:
     return Differences(loss, grad, weight)
 
 
-def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance) -> None:
-    """Fail with the first tensor (step, name) outside ``tolerance``, where, and by how much."""
+def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *, grads: bool = True) -> None:
+    """Fail with the first tensor (step, name) outside ``tolerance``, where, and by how much.
+
+    ``grads=False`` compares losses and weights only, for runs that cannot record gradients (HF Trainer
+    with DeepSpeed); a record without gradients is otherwise an error, never a silent pass.
+    """
     _check_same_shape(reference, candidate)
+    if grads and len(candidate.grads) != len(candidate.losses):
+        raise AssertionError(f"{candidate.strategy} recorded gradients for {len(candidate.grads)} of "
+                             f"{len(candidate.losses)} steps; pass grads=False to compare losses and weights only")
     label = f"{candidate.strategy} (world size {candidate.world_size}) vs {reference.strategy}"
     _assert_close(
         torch.tensor(candidate.losses, dtype=torch.float64),
@@ -358,7 +447,7 @@ def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance) ->
         tolerance,
         f"{label}: per-step loss {candidate.losses} vs {reference.losses}",
     )
-    for step, (expected, actual) in enumerate(zip(reference.grads, candidate.grads)):
+    for step, (expected, actual) in enumerate(zip(reference.grads, candidate.grads) if grads else ()):
         for name, (e, a) in _named_pairs(expected, actual):
             _assert_close(a, e, tolerance, f"{label}: step {step}, gradient of {name}")
     for name, (e, a) in _named_pairs(reference.weights, candidate.weights):

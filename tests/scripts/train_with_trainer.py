@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import helpers  # noqa: E402 -- pyvene_dist.patch(), minus what PYVENE_DIST_TEST_WITHOUT names
 from pyvene_dist.testing import ParityCase  # noqa: E402
+from pyvene_dist.testing.hf import deepspeed_config  # noqa: E402
 from pyvene_dist.testing.hf import train_with_trainer
 
 parser = argparse.ArgumentParser()
@@ -28,6 +29,7 @@ parser.add_argument("--output-dir", help="keep checkpoints here (default: a temp
 parser.add_argument("--save-steps", type=int, help="write a checkpoint every N steps")
 parser.add_argument("--resume-from", help="a checkpoint folder to resume from")
 parser.add_argument("--fsdp", type=int, choices=(1, 2), help="HF Trainer's FSDP, this version (GPUs only)")
+parser.add_argument("--deepspeed", help="HF Trainer's DeepSpeed: a ZeRO stage (1, 2, 3, 3-offload) or a JSON file")
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
 if not options.unpatched:
@@ -39,6 +41,9 @@ if options.resume_from:
     overrides.update(resume_from_checkpoint=options.resume_from)
 if options.fsdp:
     overrides.update(fsdp=True, fsdp_config={"version": options.fsdp})
+if options.deepspeed:
+    overrides.update(deepspeed=options.deepspeed if options.deepspeed.endswith(".json") else
+                     deepspeed_config(options.deepspeed))
 with tempfile.TemporaryDirectory() as scratch:
     record = train_with_trainer(ParityCase(model=options.model, steps=options.steps), options.output_dir or scratch,
                                 trainer_class=options.trainer, eval_examples=options.eval_examples, **overrides)

@@ -1,0 +1,70 @@
+"""DeepSpeed: sizes reported whole under ZeRO-3.
+
+The rest of what DeepSpeed needs lives elsewhere: ZeRO-3 partitions what ``module.parameters()``
+yields, and pyvene 0.1.8's override hid the frozen base (0 of 147 base parameters partitioned; fixed by
+``patches.parameters``); saving and loading gather partitioned interventions and update ZeRO's fp32
+master weights (``pyvene_dist.gather``, ``patches.checkpoints``). Interventions that read a submodule's
+weight after that submodule's forward returned (NoReFT, DiReFT; LoReFT through its parametrization)
+train correctly under ZeRO-3 with every parameter partitioned on deepspeed 0.19.8, and their
+parameters are released after each forward (``tests/test_deepspeed.py``).
+
+- ``count_parameters`` (pyvene's and pyreft's) and ``ReftModel.print_trainable_parameters`` count
+  ``numel()``, 0 for a partitioned parameter (pyreft then divides by zero). They count ``ds_numel``.
+
+pyreft is patched when (and if) it is imported.
+Checked with deepspeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+SITES = (
+    "pyvene.models.basic_utils:count_parameters",
+    "pyvene.models.intervenable_base:count_parameters",
+    "pyvene.models.intervenable_base:BaseModel.count_parameters",
+    "pyreft.reft_model:count_parameters",
+    "pyreft.reft_model:ReftModel.print_trainable_parameters",
+)
+
+
+def patch(registry) -> None:
+    from pyvene.models import basic_utils, intervenable_base
+
+    registry.wrap(basic_utils, "count_parameters", _wrap_count_parameters)
+    registry.wrap(intervenable_base, "count_parameters", _wrap_count_parameters)
+    registry.wrap(intervenable_base.BaseModel, "count_parameters", _wrap_model_count_parameters)
+    registry.when_imported("pyreft.reft_model", functools.partial(_patch_pyreft, registry))
+
+
+def _patch_pyreft(registry, module) -> None:
+    registry.wrap(module, "count_parameters", _wrap_count_parameters)
+    registry.wrap(module.ReftModel, "print_trainable_parameters", _wrap_print_trainable_parameters)
+
+
+def numel(parameter) -> int:
+    """The parameter's full size, also when ZeRO-3 holds only a partition of it here."""
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+
+def _wrap_count_parameters(wrapped, instance, args, kwargs):
+    model = args[0] if args else kwargs["model"]
+    return sum(numel(p) for p in model.parameters() if p.requires_grad)
+
+
+def _wrap_model_count_parameters(wrapped, instance, args, kwargs):
+    include_model = args[0] if args else kwargs.get("include_model", False)
+    total = wrapped(include_model=False)  # the interventions, through the count_parameters above
+    if include_model:
+        total += sum(numel(p) for p in instance.model.parameters() if p.requires_grad)
+    return total
+
+
+def _wrap_print_trainable_parameters(wrapped, instance, args, kwargs):
+    interventions = instance.count_parameters()
+    trainable_model = sum(numel(p) for p in instance.model.parameters() if p.requires_grad)
+    every_model = sum(numel(p) for p in instance.model.parameters())
+    print(
+        f"trainable intervention params: {interventions:,d} || trainable model params: {trainable_model:,d}\n"
+        f"model params: {every_model:,d} || trainable%: {100 * (interventions + trainable_model) / every_model}"
+    )

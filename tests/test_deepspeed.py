@@ -1,0 +1,127 @@
+"""DeepSpeed ZeRO 1/2/3 (CPU over gloo here; 2 x H200 with offload on the GPU machine)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import helpers
+from pyvene_dist.testing import ParityCase, assert_parity, differences, train
+from pyvene_dist.testing.parity import DeepSpeed
+
+pytest.importorskip("deepspeed")
+
+STAGES = ["zero1", "zero2", "zero3"]
+
+
+@pytest.mark.world_size(1, 2, timeout=600)
+@pytest.mark.parametrize("strategy", STAGES)
+def test_zero_matches_one_process(strategy):
+    helpers.patch()
+    case = ParityCase()
+    candidate = train(case, strategy)
+    if dist.get_rank() == 0:
+        reference = train(case, "single")
+        print(f"{strategy}: {differences(reference, candidate)}; parameter bytes on rank 0 "
+              f"{candidate.parameter_bytes} of {reference.parameter_bytes}")
+        assert_parity(reference, candidate, case.tolerance)
+
+
+@pytest.mark.world_size(2, timeout=600)
+def test_zero3_partitions_the_base_model_and_the_interventions():
+    import deepspeed
+
+    helpers.patch()
+    case = ParityCase()
+    model = case.build()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
+                                      config=DeepSpeed(3).config(case.batch_size))
+    parameters = list(model.parameters())
+    partitioned = [p for p in parameters if hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel]
+    assert len(parameters) == 27 and len(partitioned) == len(parameters)
+    # Sizes are reported whole, not as the (empty) local view.
+    assert model.count_parameters() == 2 * (32 * 4 + 4 * 32 + 4)
+    assert model.count_parameters(include_model=True) == model.count_parameters()
+
+
+@pytest.mark.world_size(2, timeout=600)
+@pytest.mark.parametrize("intervention", ["NoreftIntervention", "DireftIntervention"])
+def test_interventions_reading_other_modules_weights_under_zero3(intervention):
+    from pyvene_dist.testing.parity import DeepSpeed
+
+    helpers.patch()
+    case = ParityCase(intervention=intervention, rank=8)
+    strategy = DeepSpeed(3)
+    candidate = train(case, strategy)
+    # Nothing of the interventions stays gathered after the steps: each rank keeps its partition only.
+    for parameter in strategy.engine.module.interventions.parameters():
+        assert parameter.data.numel() == 0 and 0 < parameter.ds_tensor.numel() < parameter.ds_numel
+    if dist.get_rank() == 0:
+        assert_parity(train(case, "single"), candidate, case.tolerance)
+
+
+@pytest.mark.world_size(2, timeout=600)
+def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
+    import deepspeed
+
+    helpers.patch()
+    case = ParityCase()
+    trained = train(case, "single")  # the weights to save, same on every rank
+    model = case.build()
+    for name, parameter in model.interventions.named_parameters():
+        parameter.data.copy_(trained.weights[name])
+    deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
+                         config=DeepSpeed(3).config(case.batch_size))
+    model.save_intervention(str(tmp_path / "saved"))  # every rank calls; rank 0 writes
+    dist.barrier()
+    single = ParityCase(seed=9).build()
+    single.load_intervention(str(tmp_path / "saved"))
+    for name, value in trained.weights.items():
+        assert torch.equal(dict(single.interventions.named_parameters())[name], value), name
+    # ... and back into a partitioned model
+    other = ParityCase(seed=9).build()
+    deepspeed.initialize(model=other, optimizer=torch.optim.AdamW(other.get_trainable_parameters()),
+                         config=DeepSpeed(3).config(case.batch_size))
+    other.load_intervention(str(tmp_path / "saved"))
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for name, parameter in other.interventions.named_parameters():
+        torch.testing.assert_close(safe_get_full_fp32_param(parameter).cpu(), trained.weights[name], rtol=0, atol=0)
+
+
+@pytest.mark.world_size(2, timeout=600)
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_accelerate_deepspeed_plugin_matches_one_process(stage):
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    from pyvene_dist.testing.hf import deepspeed_config, train_with_accelerate
+
+    helpers.patch()
+    case = ParityCase()
+    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(stage))
+    candidate = train_with_accelerate(case, Accelerator(deepspeed_plugin=plugin, cpu=not torch.cuda.is_available()))
+    if dist.get_rank() == 0:
+        assert_parity(train(case, "single"), candidate, case.tolerance, grads=False)
+
+
+TRAINER_STAGES = [
+    pytest.param("1", id="zero1"),
+    pytest.param("2", id="zero2"),
+    pytest.param("3", id="zero3-from_pretrained-under-zero.Init"),
+    pytest.param("3-offload", id="zero3-offload", marks=pytest.mark.gpus(2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", TRAINER_STAGES)
+def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(tmp_path, stage):
+    from launchers import run_launcher
+    from pyvene_dist.testing.launch import free_port
+    from test_launchers import SCRIPTS
+
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                str(SCRIPTS / "train_with_trainer.py")]
+    record = run_launcher(tmp_path, torchrun, ["--deepspeed", stage])
+    case = ParityCase()
+    print(f"HF Trainer DeepSpeed {stage}: {record.losses}")
+    assert record.world_size == 2
+    assert_parity(train(case, "single"), record, case.tolerance, grads=False)
