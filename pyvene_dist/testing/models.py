@@ -51,8 +51,25 @@ def tiny_llama_classifier(*, seed: int = 0, dtype: torch.dtype = torch.float32, 
     return _build(LlamaForSequenceClassification, config, seed, dtype)
 
 
+def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 22, hidden: int = 2048):
+    """TinyLlama-1.1B's shape (1.1B parameters, vocabulary 32000), built from a config with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=5632 * hidden // 2048,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    return _build(LlamaForCausalLM, config, seed, dtype)
+
+
 NUM_LABELS = 3
-BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier}
+BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
 CLASSIFIERS = frozenset({"llama-cls"})
 
 

@@ -1,0 +1,145 @@
+"""Throughput and memory of ReFT training over strategies and world sizes; one JSONL row per run.
+
+    python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 1,2 \
+        --model llama-1b --batch 2 --seq-len 512 --out benchmarks/results/scaling.jsonl
+    python benchmarks/scaling.py --smoke          # CPU, tiny model, under two minutes
+
+Each (strategy, world size) runs in its own world of spawned processes (pyvene_dist.testing.spawn):
+``--warmup`` untimed steps, then ``--steps`` timed ones. Rows: strategy, world size, per-GPU batch,
+tokens per step, p20/p50/p80 step time, tokens/s, peak memory on rank 0, parameter bytes held by
+rank 0, GPU, versions, time. No assertion: speed is read from the rows, as ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    strategy: str
+    world_size: int
+    model: str
+    batch: int  # per GPU (per process)
+    seq_len: int
+    steps: int
+    warmup: int
+    dtype: str
+
+
+def rank_main(run: Run, out: str) -> None:
+    import torch.distributed as dist
+
+    import pyvene_dist
+    from pyvene_dist.optim import param_groups
+    from pyvene_dist.testing import ParityCase, STRATEGIES
+    from pyvene_dist.testing.parity import _loss, parameter_bytes
+
+    pyvene_dist.patch()
+    case = ParityCase(model=run.model, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
+                      steps=run.steps + run.warmup, dtype=run.dtype, layers=(2, 8) if run.model == "llama-1b" else (0, 1))
+    strategy = STRATEGIES[run.strategy]()
+    model = case.build().to(strategy.device)
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-4)
+    wrapped, optimizer = strategy.prepare(model, optimizer, case)
+    held = parameter_bytes(model)
+    cuda = strategy.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(strategy.device)
+    times = []
+    for step, batch in enumerate(case.batches()):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
+        strategy.backward(loss)
+        strategy.step(optimizer)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= run.warmup:
+            times.append(time.perf_counter() - started)
+    if dist.get_rank() == 0:
+        times.sort()
+        row = {
+            **dataclasses.asdict(run),
+            "provider": "pyvene_dist",
+            "tokens_per_step": case.batch_size * case.seq_len,
+            **{f"p{q}_ms": 1000 * times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
+            "peak_memory_gib": torch.cuda.max_memory_allocated(strategy.device) / 2**30 if cuda else None,
+            "parameter_gib": held / 2**30,
+            "gpu": torch.cuda.get_device_name(strategy.device) if cuda else platform.processor() or "cpu",
+            "versions": {"torch": torch.__version__, **_versions()},
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        row["tokens_per_s"] = row["tokens_per_step"] / (row["p50_ms"] / 1000)
+        Path(out).write_text(json.dumps(row))
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for name in ("transformers", "pyvene", "pyreft", "deepspeed", "pyvene_dist"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default="ddp,fsdp2,zero2,zero3")
+    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--batch", type=int, default=2, help="per GPU")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default="benchmarks/results/scaling.jsonl")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
+    options = parser.parse_args(argv)
+    if options.smoke:
+        options.model, options.seq_len, options.steps, options.warmup, options.batch = "llama", 16, 2, 1, 2
+    from pyvene_dist.testing import spawn
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    for strategy in options.strategies.split(","):
+        for world_size in [int(w) for w in options.world_sizes.split(",")]:
+            if backend == "nccl" and world_size > torch.cuda.device_count():
+                print(f"skip {strategy} x{world_size}: needs {world_size} GPUs", file=sys.stderr)
+                continue
+            run = Run(strategy, world_size, options.model, options.batch, options.seq_len, options.steps,
+                      options.warmup, options.dtype)
+            with tempfile.TemporaryDirectory() as workdir:
+                out = os.path.join(workdir, "row.json")
+                outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),
+                                timeout=900)
+                if outcome.failed or not os.path.exists(out):
+                    print(f"{strategy} x{world_size} failed:\n{outcome.report()}", file=sys.stderr)
+                    continue
+                row = Path(out).read_text()
+            with open(options.out, "a") as jsonl:
+                jsonl.write(row + "\n")
+            shown = json.loads(row)
+            print(f"{strategy:>14} x{world_size}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
+                  f"peak {shown['peak_memory_gib']} GiB, parameters {shown['parameter_gib']:.3f} GiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
