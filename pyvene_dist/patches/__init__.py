@@ -12,6 +12,7 @@ CONCERNS = (
     "parameters",
     "train_mode",
     "hooks",
+    "checkpointing",
     "devices",
     "data_parallel",
     "consistency",

@@ -1,4 +1,4 @@
-"""Remove only pyvene's own hooks, never anyone else's.
+"""Remove only pyvene's own hooks, never anyone else's; keep the intervening ones when backward needs them.
 
 ``IntervenableModel._cleanup_states`` runs at the start and end of every ``forward`` and ``generate``
 and calls ``remove_forward_hooks(self.model)``, which pops *every* forward and pre-forward hook of
@@ -9,12 +9,19 @@ The fix records the handles pyvene's hook factories (``_intervention_getter``,
 ``_intervention_setter``) return, per model, and ``_remove_forward_hooks`` removes exactly those.
 The record is keyed by the model object, so ``nn.DataParallel`` replicas (shallow copies) keep their own.
 
+``setters_kept_alive(model)`` is for ``patches.checkpointing``: inside it, the handles of the hooks that
+*apply* interventions are handed to the caller instead of to pyvene, which would remove them when its
+forward returns, before backward recomputes checkpointed layers.
+
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
+from typing import Iterator
 
 SITES = (
     "pyvene.models.intervenable_base:IntervenableModel._intervention_getter",
@@ -23,20 +30,61 @@ SITES = (
 )
 
 _handles: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+_keeping: "weakref.WeakKeyDictionary[object, Kept]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class Kept:
+    """Intervening hooks a forward registered, and the source activations they read, for backward."""
+
+    handles: list = dataclasses.field(default_factory=list)
+    activations: dict = dataclasses.field(default_factory=dict)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.activations = {}
 
 
 def patch(registry) -> None:
     from pyvene.models.intervenable_base import IntervenableModel
 
     registry.wrap(IntervenableModel, "_intervention_getter", _wrap_hook_factory)
-    registry.wrap(IntervenableModel, "_intervention_setter", _wrap_hook_factory)
+    registry.wrap(IntervenableModel, "_intervention_setter", _wrap_setter_factory)
     registry.wrap(IntervenableModel, "_remove_forward_hooks", _wrap_remove_forward_hooks)
+
+
+@contextlib.contextmanager
+def setters_kept_alive(model) -> Iterator[Kept]:
+    kept = Kept()
+    _keeping[model] = kept
+    try:
+        yield kept
+    except BaseException:
+        kept.remove()
+        raise
+    finally:
+        _keeping.pop(model, None)
+
+
+def keeping(model) -> Kept | None:
+    return _keeping.get(model)
 
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
     handler_list = wrapped(*args, **kwargs)
     _handles.setdefault(instance, []).extend(handler_list.handlers)
     return handler_list
+
+
+def _wrap_setter_factory(wrapped, instance, args, kwargs):
+    kept = _keeping.get(instance)
+    if kept is None:
+        return _wrap_hook_factory(wrapped, instance, args, kwargs)
+    handler_list = wrapped(*args, **kwargs)
+    kept.handles.extend(handler_list.handlers)
+    return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):

@@ -66,6 +66,7 @@ class ParityCase:
     lr: float = 1e-2
     weight_decay: float = 0.01
     seed: int = 0
+    checkpointing: str | None = None  # None, "reentrant" or "non-reentrant" activation checkpointing
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,7 +82,7 @@ class ParityCase:
         base = models.BASE_MODELS[self.model](
             seed=self.seed, dtype=self.torch_dtype, layers=self.num_layers, hidden=self.hidden_size
         )
-        return models.reft_model(
+        model = models.reft_model(
             base,
             layers=self.layers,
             component=self.component,
@@ -90,6 +91,13 @@ class ParityCase:
             dtype=self.torch_dtype,
             seed=self.seed + 1,
         )
+        if self.checkpointing is not None:
+            if self.checkpointing not in ("reentrant", "non-reentrant"):
+                raise ValueError(f"checkpointing {self.checkpointing!r} is not None, 'reentrant' or 'non-reentrant'")
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": self.checkpointing == "reentrant"}
+            )
+        return model
 
     def batches(self, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
         """Global batches: token ids, labels, and pyreft-layout locations ``[interventions, batch, positions]``.

@@ -1,0 +1,100 @@
+"""Interventions survive gradient checkpointing's recomputation, at every component, reentrant or not.
+
+pyvene removes its hooks when ``forward`` returns; backward then recomputes checkpointed layers without
+them. Interventions inside a checkpointed region (``mlp_output``, ``attention_output``, ``mlp_input``,
+per-head components; with transformers 4.x, which checkpoints a layer's ``__call__``, ``block_output``
+too) then fail: non-reentrant checkpointing with ``CheckpointError: torch.utils.checkpoint: A different
+number of tensors was saved during the original forward and recomputation``, reentrant with
+``RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn`` (upstream
+pyvene issue #231; this follows the approach of pyvene PR #242).
+
+In a forward that will be differentiated (grad enabled, model in training mode) of a model that
+checkpoints (HF's ``gradient_checkpointing`` flag on any module, as ``activation_checkpointing_enable``
+and transformers 4.x's ``gradient_checkpointing_enable`` set it, or torch's ``CheckpointWrapper`` as
+FSDP and accelerate apply it), the hooks that apply interventions stay registered until that
+forward's backward has finished: a grad hook on the outputs
+(``torch.autograd.graph.register_multi_grad_hook``) queues their removal at the end of that backward
+(``Variable._execution_engine.queue_callback``). Their closures hold the locations and subspaces, so
+the recomputation applies exactly what the forward applied; source activations the intervention read
+are put back for the backward. Hooks a forward left for a backward that never came are removed at the
+next forward. Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup.
+
+Limit: run each training forward's backward before the next training forward of the same model (as
+HF Trainer, accelerate and every plain loop do, gradient accumulation included).
+
+Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import hooks
+
+SITES = (
+    "pyvene.models.intervenable_base:IntervenableModel.forward",
+    "pyvene.models.intervenable_base:IntervenableModel._output_validation",
+)
+_pending: "weakref.WeakKeyDictionary[object, hooks.Kept]" = weakref.WeakKeyDictionary()
+
+
+def patch(registry) -> None:
+    from pyvene.models.intervenable_base import IntervenableModel
+
+    registry.wrap(IntervenableModel, "forward", _wrap_forward)
+    registry.wrap(IntervenableModel, "_output_validation", _wrap_output_validation)
+
+
+def _wrap_forward(wrapped, instance, args, kwargs):
+    _release(instance)
+    if not (torch.is_grad_enabled() and instance.training and checkpointing(instance.model)):
+        return wrapped(*args, **kwargs)
+    with hooks.setters_kept_alive(instance) as kept:
+        output = wrapped(*args, **kwargs)
+    differentiable = [t for t in _tensors(output) if t.requires_grad]
+    if not (kept.handles and differentiable):
+        kept.remove()
+        return output
+    _pending[instance] = kept
+
+    def backward_started(grads) -> None:
+        if kept.activations:
+            instance.activations = kept.activations  # what the recomputed interventions read their sources from
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(instance, kept))
+
+    torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+    return output
+
+
+def checkpointing(model) -> bool:
+    """Whether some layer of ``model`` recomputes its forward during backward."""
+    return any(getattr(module, "gradient_checkpointing", False) is True or type(module).__name__ == "CheckpointWrapper"
+               for module in model.modules())
+
+
+def _wrap_output_validation(wrapped, instance, args, kwargs):
+    kept = hooks.keeping(instance)
+    if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
+        kept.activations = dict(instance.activations)
+    return wrapped(*args, **kwargs)
+
+
+def _release(instance, kept: hooks.Kept | None = None) -> None:
+    pending = _pending.get(instance)
+    if pending is not None and (kept is None or pending is kept):
+        del _pending[instance]
+        pending.remove()
+        instance.activations = {}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
