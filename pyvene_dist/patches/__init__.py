@@ -9,12 +9,14 @@ import importlib
 from types import ModuleType
 
 CONCERNS = (
+    "representations",
     "parameters",
     "train_mode",
     "hooks",
     "checkpointing",
     "devices",
     "data_parallel",
+    "device_map",
     "consistency",
     "fsdp",
     "deepspeed",

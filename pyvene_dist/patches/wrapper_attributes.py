@@ -10,7 +10,8 @@ models go unanswered. What users see today:
   class to wrap in the model``.
 
 The wrapper now forwards these names to its base model (``self.model``), methods bound to it:
-``_no_split_modules``, ``supports_gradient_checkpointing``, ``is_gradient_checkpointing``,
+``_no_split_modules``, ``hf_device_map``, ``is_parallelizable``, ``model_parallel`` (HF Trainer reads them
+to tell a model-parallel model, which it must not wrap in ``nn.DataParallel``), ``supports_gradient_checkpointing``, ``is_gradient_checkpointing``,
 ``is_activation_checkpointing``, ``gradient_checkpointing_disable``, ``activation_checkpointing_disable``,
 ``enable_input_require_grads``, ``disable_input_require_grads``, ``get_input_embeddings``. Enabling
 checkpointing (``gradient_checkpointing_enable``, ``activation_checkpointing_enable``) also makes the
@@ -29,6 +30,9 @@ from __future__ import annotations
 
 FORWARDED = (
     "_no_split_modules",
+    "hf_device_map",
+    "is_parallelizable",
+    "model_parallel",
     "supports_gradient_checkpointing",
     "is_gradient_checkpointing",
     "is_activation_checkpointing",

@@ -42,8 +42,9 @@ def check_wrapped():
     seen = 0
     for site, owner, attribute in sites():
         current = vars(owner).get(attribute)
-        if isinstance(current, property):  # an attribute pyvene_dist adds
+        if site in added_sites():  # an attribute pyvene_dist adds rather than wraps
             assert captured.get(site, MISSING) is MISSING, f"{site} existed before patching"
+            assert current is not None, f"{site} was not added"
             seen += 1
             continue
         assert isinstance(current, wrapt.FunctionWrapper), f"{site} is not wrapped: {current!r}"
@@ -53,6 +54,18 @@ def check_wrapped():
         seen += 1
     assert seen, "no site checked"
     return seen
+
+
+def added_sites():
+    from pyvene_dist._registry import _MISSING, REGISTRY
+
+    added = set()
+    for record in REGISTRY.sites:
+        if record.original is _MISSING:
+            module = record.owner.__module__ if isinstance(record.owner, type) else record.owner.__name__
+            qualname = f"{record.owner.__qualname__}." if isinstance(record.owner, type) else ""
+            added.add(f"{module}:{qualname}{record.attribute}")
+    return added
 
 
 def check_restored():
