@@ -3,6 +3,8 @@
     python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 1,2 \
         --model llama-1b --batch 2 --seq-len 512 --out benchmarks/results/scaling.jsonl
     python benchmarks/scaling.py --smoke          # CPU, tiny model, under two minutes
+    python benchmarks/scaling.py --strategies single --world-sizes 1 --seq-len 2048 \
+        --checkpointing none,non-reentrant       # what activation checkpointing saves on one GPU
 
 Each (strategy, world size) runs in its own world of spawned processes (pyvene_dist.testing.spawn):
 ``--warmup`` untimed steps, then ``--steps`` timed ones. Rows: strategy, world size, per-GPU batch,
@@ -36,6 +38,8 @@ class Run:
     steps: int
     warmup: int
     dtype: str
+    checkpointing: str = "none"
+    component: str = "block_output"
 
 
 def rank_main(run: Run, out: str) -> None:
@@ -48,7 +52,9 @@ def rank_main(run: Run, out: str) -> None:
 
     pyvene_dist.patch()
     case = ParityCase(model=run.model, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
-                      steps=run.steps + run.warmup, dtype=run.dtype, layers=(2, 8) if run.model == "llama-1b" else (0, 1))
+                      steps=run.steps + run.warmup, dtype=run.dtype, component=run.component,
+                      layers=(2, 8) if run.model == "llama-1b" else (0, 1),
+                      checkpointing=None if run.checkpointing == "none" else run.checkpointing)
     strategy = STRATEGIES[run.strategy]()
     model = case.build().to(strategy.device)
     model.train()
@@ -109,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--checkpointing", default="none", help="comma-separated: none, reentrant, non-reentrant")
+    parser.add_argument("--component", default="block_output")
     parser.add_argument("--out", default="benchmarks/results/scaling.jsonl")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     options = parser.parse_args(argv)
@@ -118,26 +126,27 @@ def main(argv=None) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
-    for strategy in options.strategies.split(","):
-        for world_size in [int(w) for w in options.world_sizes.split(",")]:
-            if backend == "nccl" and world_size > torch.cuda.device_count():
-                print(f"skip {strategy} x{world_size}: needs {world_size} GPUs", file=sys.stderr)
+    plan = [(s, int(w), c) for s in options.strategies.split(",") for w in options.world_sizes.split(",")
+            for c in options.checkpointing.split(",")]
+    for strategy, world_size, checkpointing in plan:
+        if backend == "nccl" and world_size > torch.cuda.device_count():
+            print(f"skip {strategy} x{world_size}: needs {world_size} GPUs", file=sys.stderr)
+            continue
+        run = Run(strategy, world_size, options.model, options.batch, options.seq_len, options.steps,
+                  options.warmup, options.dtype, checkpointing, options.component)
+        with tempfile.TemporaryDirectory() as workdir:
+            out = os.path.join(workdir, "row.json")
+            outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),
+                            timeout=900)
+            if outcome.failed or not os.path.exists(out):
+                print(f"{strategy} x{world_size} failed:\n{outcome.report()}", file=sys.stderr)
                 continue
-            run = Run(strategy, world_size, options.model, options.batch, options.seq_len, options.steps,
-                      options.warmup, options.dtype)
-            with tempfile.TemporaryDirectory() as workdir:
-                out = os.path.join(workdir, "row.json")
-                outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),
-                                timeout=900)
-                if outcome.failed or not os.path.exists(out):
-                    print(f"{strategy} x{world_size} failed:\n{outcome.report()}", file=sys.stderr)
-                    continue
-                row = Path(out).read_text()
-            with open(options.out, "a") as jsonl:
-                jsonl.write(row + "\n")
-            shown = json.loads(row)
-            print(f"{strategy:>14} x{world_size}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
-                  f"peak {shown['peak_memory_gib']} GiB, parameters {shown['parameter_gib']:.3f} GiB", flush=True)
+            row = Path(out).read_text()
+        with open(options.out, "a") as jsonl:
+            jsonl.write(row + "\n")
+        shown = json.loads(row)
+        print(f"{strategy:>14} x{world_size} checkpointing={checkpointing}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
+              f"peak {shown['peak_memory_gib']} GiB, parameters {shown['parameter_gib']:.3f} GiB", flush=True)
     return 0
 
 

@@ -1,0 +1,164 @@
+"""What ReFT costs over the model it rides on: one GPU, side by side in one run, as ratios.
+
+    python benchmarks/overhead.py --out benchmarks/results/overhead.jsonl     # Llama 1.2B-class, bf16
+    python benchmarks/overhead.py --smoke                                       # CPU, tiny model
+
+Providers: ``bare`` (the HF model alone), ``peft-lora`` (LoRA rank 8 on q and v at the same layers),
+``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``).
+Measured: a training step (forward, backward, AdamW step) and a no-grad forward; p20/p50/p80 over
+``--steps`` after ``--warmup``; one JSONL row each. No assertion: the ratios are read from the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def llama_1b_class(dtype, smoke: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if smoke:
+        config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2)
+    else:  # Llama-3.2-1B's shape
+        config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                             tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def timed(step, *, warmup: int, steps: int, device) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - started))
+    return sorted(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--positions", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/overhead.jsonl")
+    parser.add_argument("--smoke", action="store_true")
+    options = parser.parse_args(argv)
+    if options.smoke:
+        options.batch, options.seq_len, options.positions, options.steps, options.warmup = 2, 16, 4, 2, 1
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = llama_1b_class(dtype, options.smoke).to(device)
+    layers = [i * model.config.num_hidden_layers // 4 + model.config.num_hidden_layers // 8 for i in range(4)]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (options.batch, options.seq_len), generator=generator).to(device)
+    half = options.positions // 2
+    positions = list(range(half)) + list(range(options.seq_len - (options.positions - half), options.seq_len))
+    locations = torch.tensor([[positions] * options.batch] * len(layers))  # pyreft's [interventions, batch, pos]
+    rows = []
+
+    def record(provider, measure, times):
+        rows.append({
+            "provider": provider, "measure": measure, "strategy": "single", "world_size": 1,
+            "batch": options.batch, "tokens": options.batch * options.seq_len,
+            **{f"p{q}_ms": times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
+            "tokens_per_s": options.batch * options.seq_len / (times[len(times) // 2] / 1000),
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "versions": {"torch": torch.__version__},
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        })
+        print(f"{provider:>12} {measure:>8}: p50 {rows[-1]['p50_ms']:.2f} ms", flush=True)
+
+    measure = dict(warmup=options.warmup, steps=options.steps, device=device)
+    with torch.no_grad():
+        record("bare", "forward", timed(lambda: model(input_ids=ids), **measure))
+    _lora(model, ids, layers, record, measure)
+    for provider in ("pyvene", "pyvene_dist"):
+        _reft(provider, model, ids, locations, layers, record, measure)
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(options.out, "a") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    p50 = {(r["provider"], r["measure"]): r["p50_ms"] for r in rows}
+    if ("peft-lora", "train") in p50:
+        print(f"ReFT train / LoRA train: pyvene {p50[('pyvene', 'train')] / p50[('peft-lora', 'train')]:.3f}, "
+              f"pyvene_dist {p50[('pyvene_dist', 'train')] / p50[('peft-lora', 'train')]:.3f}")
+    print(f"ReFT forward / bare forward: pyvene {p50[('pyvene', 'forward')] / p50[('bare', 'forward')]:.3f}, "
+          f"pyvene_dist {p50[('pyvene_dist', 'forward')] / p50[('bare', 'forward')]:.3f}")
+    return 0
+
+
+def _lora(model, ids, layers, record, measure):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        print("peft is not installed: no LoRA row", file=sys.stderr)
+        return
+    import copy
+
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                            layers_to_transform=layers))
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        lora(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    record("peft-lora", "train", timed(step, **measure))
+    del lora, optimizer
+
+
+def _reft(provider, model, ids, locations, layers, record, measure):
+    import pyreft
+
+    import pyvene_dist
+
+    context = pyvene_dist.patched() if provider == "pyvene_dist" else contextlib.nullcontext()
+    with context:
+        hidden = model.config.hidden_size
+        config = pyreft.ReftConfig(representations=[{
+            "layer": layer, "component": "block_output", "low_rank_dimension": 4,
+            "intervention": pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=4, dtype=model.dtype),
+        } for layer in layers])
+        reft = pyreft.get_reft_model(model, config)
+        reft.set_device(ids.device)
+        optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-4, weight_decay=0.0)
+        unit_locations = {"sources->base": (None, locations.tolist())}
+
+        def step():
+            _, out = reft({"input_ids": ids}, unit_locations=unit_locations, labels=ids)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        reft.train()
+        record(provider, "train", timed(step, **measure))
+        reft.eval()
+        with torch.no_grad():
+            record(provider, "forward", timed(lambda: reft({"input_ids": ids}, unit_locations=unit_locations),
+                                              **measure))
+        for intervention in reft.interventions.values():  # leave the shared base model as it was found
+            intervention.to("cpu")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

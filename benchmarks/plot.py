@@ -1,0 +1,66 @@
+"""Draw the benchmark rows as PNG: throughput and peak memory per strategy, and ReFT's overhead.
+
+    python benchmarks/plot.py benchmarks/results/scaling.jsonl benchmarks/results/overhead.jsonl --out docs/figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def read(paths):
+    rows = []
+    for path in paths:
+        rows += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows
+
+
+def main(argv=None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("jsonl", nargs="+")
+    parser.add_argument("--out", default="docs/figures")
+    options = parser.parse_args(argv)
+    rows = read(options.jsonl)
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    scaling = [r for r in rows if "checkpointing" in r and r.get("checkpointing", "none") == "none"]
+    if scaling:
+        figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
+        by_strategy = defaultdict(list)
+        for row in scaling:
+            by_strategy[row["strategy"]].append(row)
+        for strategy, runs in sorted(by_strategy.items()):
+            runs.sort(key=lambda r: r["world_size"])
+            throughput.plot([r["world_size"] for r in runs], [r["tokens_per_s"] for r in runs], marker="o",
+                            label=strategy)
+        throughput.set(xlabel="GPUs", ylabel="tokens/s", title="ReFT training throughput")
+        throughput.legend()
+        widest = {s: max(runs, key=lambda r: r["world_size"]) for s, runs in by_strategy.items()}
+        names = sorted(widest)
+        memory.bar(names, [widest[s]["peak_memory_gib"] or 0 for s in names])
+        memory.set(ylabel="GiB", title=f"peak memory per GPU at {max(r['world_size'] for r in scaling)} GPUs")
+        figure.tight_layout()
+        figure.savefig(out / "scaling.png", dpi=120)
+
+    overhead = [r for r in rows if "measure" in r]
+    if overhead:
+        figure, axis = plt.subplots(figsize=(7, 4))
+        labels = [f"{r['provider']}\n{r['measure']}" for r in overhead]
+        axis.bar(labels, [r["p50_ms"] for r in overhead])
+        axis.set(ylabel="ms (p50)", title="ReFT against the bare model and LoRA, one GPU")
+        figure.tight_layout()
+        figure.savefig(out / "overhead.png", dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
