@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with pyvene_dist, its test and launcher extras, and pyreft (CPU machine).
+# Create .venv with pyvene_dist, its test and launcher extras, pyreft and DeepSpeed (CPU machine).
 # torch goes first, pinned: this machine keeps the CPU build of torch 2.13.0 on disk, and a package
 # that asks for plain "torch" would otherwise pull a 5 GB CUDA build. Set PYVENE_DIST_TORCH to change it.
 set -euo pipefail
@@ -11,4 +11,7 @@ pip install "${PYVENE_DIST_TORCH:-torch==2.13.0}"
 pip install -e ".[test,accelerate]"
 # pyreft's own requirements pull in jupyter and wandb; what it imports is already here.
 pip install --no-deps pyreft==0.1.0
-.venv/bin/python -c "import torch, pyvene, pyreft, pyvene_dist; print('setup ok: torch', torch.__version__)"
+# DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute).
+pip install setuptools wheel
+pip install --no-build-isolation "deepspeed==0.19.8"
+.venv/bin/python -c "import torch, pyvene, pyreft, deepspeed, pyvene_dist; print('setup ok: torch', torch.__version__)"

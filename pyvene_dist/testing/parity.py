@@ -52,8 +52,8 @@ class ParityCase:
     """What to train. Every field takes part in the result; the defaults run in seconds on a CPU."""
 
     model: str = "llama"
-    hidden_size: int = 32
-    num_layers: int = 2
+    hidden_size: int | None = None  # None: the model builder's own (32 and 2 for the tiny models)
+    num_layers: int | None = None
     intervention: str = "LoreftIntervention"
     layers: tuple[int, ...] = (0, 1)
     component: str = "block_output"
@@ -79,8 +79,9 @@ class ParityCase:
     def build(self):
         if self.model not in models.BASE_MODELS:
             raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
+        shape = {"layers": self.num_layers, "hidden": self.hidden_size}
         base = models.BASE_MODELS[self.model](
-            seed=self.seed, dtype=self.torch_dtype, layers=self.num_layers, hidden=self.hidden_size
+            seed=self.seed, dtype=self.torch_dtype, **{k: v for k, v in shape.items() if v is not None}
         )
         model = models.reft_model(
             base,
