@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 
@@ -24,8 +25,8 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="train under each strategy and compare with one device")
     check.add_argument("--model", choices=sorted(BASE_MODELS), default="llama", help="tiny model built from a config")
-    check.add_argument("--strategies", type=lambda t: t.split(","), default=sorted(STRATEGIES),
-                       help=f"comma-separated, of: {', '.join(sorted(STRATEGIES))} (default: all)")
+    check.add_argument("--strategies", type=lambda t: t.split(","), default=list(STRATEGIES),
+                       help=f"comma-separated, of: {', '.join(STRATEGIES)} (default: all)")
     check.add_argument("--world-sizes", type=_sizes, default=[2], help="comma-separated (default: 2)")
     check.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     check.add_argument("--steps", type=int, default=3)
@@ -40,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
     unknown = [s for s in arguments.strategies if s not in check.STRATEGIES]
     if unknown:
-        print(f"pyvene-dist: unknown strategy {', '.join(unknown)}; known: {', '.join(sorted(check.STRATEGIES))}",
+        print(f"pyvene-dist: unknown strategy {', '.join(unknown)}; known: {', '.join(check.STRATEGIES)}",
               file=sys.stderr)
         return 2
-    patch()
     case = ParityCase(model=arguments.model, dtype=arguments.dtype, steps=arguments.steps)
     progress = None if arguments.json else (lambda what: print(f"running {what} ...", file=sys.stderr, flush=True))
-    rows = check.run(case, arguments.strategies, arguments.world_sizes, progress=progress)
+    with contextlib.redirect_stdout(sys.stderr):  # pyvene prints on import; stdout is the table's, or the JSON's
+        patch()
+        rows = check.run(case, arguments.strategies, arguments.world_sizes, progress=progress)
     print(check.to_json(rows) if arguments.json else check.table(rows))
     return 0 if all(row.verdict in ("agrees", "unavailable") for row in rows) else 1
 

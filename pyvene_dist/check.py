@@ -16,19 +16,49 @@ from typing import Callable, Iterable
 
 import torch
 
-from .testing import ParityCase, Record, assert_parity, differences, spawn, train
+from .testing import ParityCase, Record, Strategy, assert_parity, differences, spawn, train
 
 #: Given a world size: None when this machine can run it, else why not.
 Requirement = Callable[[int], "str | None"]
 
 
-def _cpu_ranks(world_size: int) -> str | None:
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _ranks(world_size: int) -> str | None:
+    """One rank per GPU where there are GPUs, else CPU processes over gloo."""
+    if gpu_count():
+        return None if world_size <= gpu_count() else f"needs {world_size} GPUs, found {gpu_count()}"
     cores = os.cpu_count() or 1
     return None if world_size <= max(cores, 2) else f"needs {world_size} CPU cores, found {cores}"
 
 
+def _gpus(world_size: int) -> str | None:
+    return None if gpu_count() >= max(world_size, 2) else f"needs {max(world_size, 2)} GPUs, found {gpu_count()}"
+
+
+def _deepspeed(requirement: Requirement) -> Requirement:
+    def check(world_size: int) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed not installed"
+        return requirement(world_size)
+
+    return check
+
+
 STRATEGIES: dict[str, Requirement] = {
-    "ddp": _cpu_ranks,
+    "ddp": _ranks,
+    "ddp+checkpointing": _ranks,
+    "fsdp2": _ranks,
+    "zero2": _deepspeed(_ranks),
+    "zero3": _deepspeed(_ranks),
+    "zero3+checkpointing": _deepspeed(_ranks),
+    "fsdp1": _gpus,
+    "zero3-offload": _deepspeed(_gpus),
+    "dataparallel": _gpus,  # one process over every visible GPU
 }
 
 
@@ -46,8 +76,8 @@ class Row:
 
 
 def run(case: ParityCase, strategies: Iterable[str], world_sizes: Iterable[int], *, progress=None) -> list[Row]:
-    reference = train(case, "single")
-    plan = [(s, n) for s in strategies for n in world_sizes]
+    reference = train(case, Strategy("cuda:0" if gpu_count() else "cpu"))  # this process, one device
+    plan = [(s, n) for s in strategies for n in ([1] if s == "dataparallel" else world_sizes)]
     rows = []
     for strategy, world_size in plan:
         if progress:
@@ -62,9 +92,15 @@ def run(case: ParityCase, strategies: Iterable[str], world_sizes: Iterable[int],
 
 def _run_one(case: ParityCase, strategy: str, world_size: int, reference: Record) -> Row:
     started = time.monotonic()
+    name, _, variant = strategy.partition("+")
+    if variant == "checkpointing":
+        case = dataclasses.replace(case, checkpointing="non-reentrant")  # compared with the plain reference
+    processes = 1 if name == "dataparallel" else world_size
+    backend = "nccl" if gpu_count() >= processes else "gloo"
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-check") as workdir:
         out = Path(workdir) / "record.pt"
-        outcome = spawn(_train_on_rank, world_size=world_size, workdir=workdir, args=(case, strategy, str(out)))
+        outcome = spawn(_train_on_rank, world_size=processes, backend=backend, workdir=workdir,
+                        args=(case, name, str(out)))
         seconds = time.monotonic() - started
         if outcome.failed or not out.exists():
             return Row(strategy, world_size, "failed", seconds=seconds, detail=outcome.report())
@@ -79,12 +115,18 @@ def _run_one(case: ParityCase, strategy: str, world_size: int, reference: Record
 
 
 def _train_on_rank(case: ParityCase, strategy: str, out: str) -> None:
+    import contextlib
+    import sys
+
     import torch.distributed as dist
 
     from . import patch
 
-    patch()
-    record = train(case, strategy)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's, or the JSON's
+        patch()
+        record = train(case, strategy)
     if dist.get_rank() == 0:
         torch.save(dataclasses.asdict(record), out)
 

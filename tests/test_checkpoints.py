@@ -14,8 +14,6 @@ CASE = ParityCase(steps=4)
 
 
 def trained_model():
-    from pyvene_dist.testing import train  # noqa: F401 -- the harness trains in place of a user loop
-
     model = CASE.build()
     optimizer = torch.optim.Adam(model.get_trainable_parameters(), lr=0.05)
     for batch in CASE.batches():
@@ -108,7 +106,6 @@ def test_ddp_saves_once_with_whole_weights(tmp_path):
 @pytest.mark.world_size(2)
 def test_fsdp2_model_saves_what_one_device_loads(tmp_path):
     from pyvene_dist.fsdp import fully_shard_model
-    from pyvene_dist.testing import train
 
     helpers.patch()
     model = fully_shard_model(CASE.build())
@@ -119,4 +116,3 @@ def test_fsdp2_model_saves_what_one_device_loads(tmp_path):
         single.load_intervention(str(tmp_path / "saved"))
         for name, value in model.interventions.state_dict().items():
             assert torch.equal(single.interventions.state_dict()[name], value), name
-    del train
