@@ -20,3 +20,8 @@ from accelerate import PartialState  # noqa: E402
 
 if PartialState().is_main_process:
     torch.save(dataclasses.asdict(record), sys.argv[1])
+# Leave the process group before exit: gloo's threads otherwise die at interpreter exit, now and then
+# taking the process down with "terminate called without an active exception".
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -49,3 +49,8 @@ with tempfile.TemporaryDirectory() as scratch:
                                 trainer_class=options.trainer, eval_examples=options.eval_examples, **overrides)
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save(dataclasses.asdict(record), options.out)
+# Leave the process group before exit: gloo's threads otherwise die at interpreter exit, now and then
+# taking the process down with "terminate called without an active exception".
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
