@@ -151,23 +151,15 @@ def test_raw_data_parallel_matches_one_gpu(patched, case):
     forward_call(batch=6, location_format="broadcast-int"),
 ], ids=["lists", "tensor-uneven", "with-none", "one-example", "broadcast"])
 def test_inference_under_data_parallel_equals_one_gpu(patched, call):
+    from pyvene_dist.patches.data_parallel import _to_device
+
     model = reft_model(tiny_llama(), layers=tuple(i % 2 for i in range(call.interventions))).to("cuda:0").eval()
     arguments = {k: v for k, v in call.arguments.items() if k != "labels"}
     with torch.no_grad():
-        expected = model(**_to(arguments, "cuda:0"))[1].logits
+        expected = model(**_to_device(arguments, torch.device("cuda:0")))[1].logits
         model.use_fast = False
         actual = torch.nn.DataParallel(model)(**arguments)[1].logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-
-
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 def _trainer_record(tmp_path, trainer, visible):

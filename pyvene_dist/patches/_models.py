@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 
-def holds_intervenable_model(model) -> bool:
-    """Whether ``model`` is, or wraps (DataParallel, DDP, accelerate, DeepSpeed), a pyvene model."""
+def intervenable_models(model) -> list:
+    """The pyvene models in ``model``: itself, or those DataParallel/DDP/FSDP/accelerate/DeepSpeed wrap."""
     from pyvene.models.intervenable_base import BaseModel
 
-    return model is not None and any(isinstance(module, BaseModel) for module in model.modules())
+    return [] if model is None else [module for module in model.modules() if isinstance(module, BaseModel)]
+
+
+def holds_intervenable_model(model) -> bool:
+    return bool(intervenable_models(model))
 
 
 def unwrap_intervenable_model(model):
-    """The pyvene model inside ``model`` (itself, or the one DataParallel/DDP/accelerate/DeepSpeed wrap)."""
-    from pyvene.models.intervenable_base import BaseModel
-
-    for module in model.modules():
-        if isinstance(module, BaseModel):
-            return module
-    raise ValueError(f"{type(model).__name__} holds no pyvene IntervenableModel")
+    """The (first) pyvene model inside ``model``."""
+    found = intervenable_models(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no pyvene IntervenableModel")
+    return found[0]

@@ -14,6 +14,8 @@ Checked with torch 2.11 (nccl) and 2.13 (gloo).
 
 from __future__ import annotations
 
+from ._models import intervenable_models
+
 SITES = ("torch.nn.parallel.distributed:DistributedDataParallel.__init__",)
 
 
@@ -43,9 +45,8 @@ def describe(model) -> list[tuple]:
 
 def check_same_interventions(module, group=None) -> None:
     import torch.distributed as dist
-    from pyvene.models.intervenable_base import BaseModel
 
-    models = [m for m in module.modules() if isinstance(m, BaseModel)]
+    models = intervenable_models(module)
     if not models or not (dist.is_available() and dist.is_initialized()):
         return
     mine = [describe(model) for model in models]

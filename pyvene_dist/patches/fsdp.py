@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ._models import intervenable_models
 from .consistency import check_same_interventions
 
 SITES = (
@@ -52,13 +53,11 @@ def patch(registry) -> None:
 
 def intervention_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """The ``interventions`` of every pyvene model inside ``modules``."""
-    from pyvene.models.intervenable_base import BaseModel
-
     found = []
     for module in modules:
-        for inner in module.modules():
-            if isinstance(inner, BaseModel) and inner.interventions not in found:
-                found.append(inner.interventions)
+        for model in intervenable_models(module):
+            if model.interventions not in found:
+                found.append(model.interventions)
     return found
 
 

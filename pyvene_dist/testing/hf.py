@@ -10,14 +10,13 @@ Launched by torchrun, the same call is the distributed run: HF Trainer shards th
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from .models import import_pyreft
-from .parity import ParityCase, Record
+from .parity import ParityCase, Record, intervention_grads, intervention_weights
 
 
 def examples(case: ParityCase, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
@@ -52,7 +51,7 @@ class InterventionGradients(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not args.deepspeed:
-            self.steps.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
+            self.steps.append(intervention_grads(model))
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:
@@ -133,7 +132,7 @@ def train_with_trainer(
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     metrics = trainer.evaluate() if eval_examples else {}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    weights = _cpu_copies(model.interventions.named_parameters())
+    weights = intervention_weights(model)
     return Record(f"{trainer_class} x{world_size}", world_size, losses, gradients.steps, weights, metrics=metrics)
 
 
@@ -168,35 +167,8 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
         accelerator.backward(outputs.loss)
         losses.append(accelerator.reduce(outputs.loss.detach(), "mean").item())
         if record_grads:
-            grads.append(_cpu_copies(model.interventions.named_parameters(), grad=True))
+            grads.append(intervention_grads(model))
         optimizer.step()
         optimizer.zero_grad()
-    weights = _cpu_copies(model.interventions.named_parameters())
+    weights = intervention_weights(model)
     return Record("accelerate", accelerator.num_processes, losses, grads, weights)
-
-
-def _cpu_copies(named_parameters, grad: bool = False) -> dict[str, torch.Tensor]:
-    """CPU copies of parameters or their gradients, whole also when DeepSpeed ZeRO holds them split
-    (reading those is a collective: every rank calls this at the same point)."""
-    read = _full_grad if grad else _full_value
-    return {
-        name: read(parameter).detach().float().cpu().clone()
-        for name, parameter in named_parameters
-        if parameter.requires_grad or not grad
-    }
-
-
-def _full_grad(parameter: torch.nn.Parameter) -> torch.Tensor:
-    if parameter.grad is None and "deepspeed" in sys.modules:
-        from deepspeed.utils import safe_get_full_grad
-
-        return safe_get_full_grad(parameter)
-    return parameter.grad
-
-
-def _full_value(parameter: torch.nn.Parameter) -> torch.Tensor:
-    if hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping"):
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return safe_get_full_fp32_param(parameter)
-    return parameter

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -171,12 +172,6 @@ class Strategy:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def intervention_grads(self, model: nn.Module) -> Tensors:
-        return self.full_tensors(_intervention_grads(model))
-
-    def intervention_weights(self, model: nn.Module) -> Tensors:
-        return self.full_tensors(dict(model.interventions.named_parameters()))
-
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         size = batch["input_ids"].shape[0]
         if size % self.world_size:
@@ -194,9 +189,6 @@ class Strategy:
 
     def mean(self, value: torch.Tensor) -> float:
         return value.item()
-
-    def full_tensors(self, tensors: Tensors) -> Tensors:
-        return {name: tensor.detach().float().cpu().clone() for name, tensor in tensors.items()}
 
 
 class DDP(Strategy):
@@ -266,7 +258,7 @@ class DeepSpeed(DDP):
     """``deepspeed.initialize`` with ZeRO ``stage``; ``offload`` puts parameters (stage 3) and optimizer on CPU.
 
     Every parameter is partitioned (``stage3_param_persistence_threshold: 0``), the interventions too.
-    Gradients and weights are read whole with ``deepspeed.utils.safe_get_full_grad``/``_fp32_param``.
+    Gradients and weights are read whole by ``intervention_grads``/``intervention_weights``.
     """
 
     def __init__(self, stage: int, offload: bool = False, device: str | torch.device | None = None):
@@ -304,20 +296,6 @@ class DeepSpeed(DDP):
 
     def step(self, optimizer):
         self.engine.step()
-
-    def intervention_grads(self, model):
-        from deepspeed.utils import safe_get_full_grad
-
-        return self.full_tensors({
-            name: safe_get_full_grad(p) for name, p in model.interventions.named_parameters() if p.requires_grad
-        })
-
-    def intervention_weights(self, model):
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return self.full_tensors({
-            name: safe_get_full_fp32_param(p) for name, p in model.interventions.named_parameters()
-        })
 
 
 class DataParallel(Strategy):
@@ -375,9 +353,9 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         loss = strategy.reduce_loss(_loss(wrapped, shard, strategy.device))
         strategy.backward(loss)
         losses.append(strategy.mean(loss))
-        grads.append(strategy.intervention_grads(model))
+        grads.append(intervention_grads(model))
         strategy.step(optimizer)
-    weights = strategy.intervention_weights(model)
+    weights = intervention_weights(model)
     peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
     return Record(strategy.name, strategy.devices, losses, grads, weights, peak, held)
 
@@ -403,14 +381,33 @@ def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device
     return counterfactual.loss
 
 
-def _intervention_grads(model: nn.Module) -> Tensors:
+def intervention_grads(model: nn.Module) -> Tensors:
+    """CPU copies of the interventions' gradients, whole also when DeepSpeed ZeRO holds them split
+    (reading those is a collective: every rank calls this at the same point)."""
     grads = {}
     for name, parameter in model.interventions.named_parameters():
         if parameter.requires_grad:
-            if parameter.grad is None:
+            grad = parameter.grad
+            if grad is None and "deepspeed" in sys.modules:
+                from deepspeed.utils import safe_get_full_grad
+
+                grad = safe_get_full_grad(parameter)
+            if grad is None:
                 raise AssertionError(f"intervention parameter {name} received no gradient")
-            grads[name] = parameter.grad
+            grads[name] = grad.detach().float().cpu().clone()
     return grads
+
+
+def intervention_weights(model: nn.Module) -> Tensors:
+    """CPU copies of the interventions' parameters, whole also under DeepSpeed ZeRO (a collective, as above)."""
+    weights = {}
+    for name, parameter in model.interventions.named_parameters():
+        if hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping"):
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            parameter = safe_get_full_fp32_param(parameter)
+        weights[name] = parameter.detach().float().cpu().clone()
+    return weights
 
 
 def _default_device() -> torch.device:
