@@ -1,14 +1,23 @@
 """``pyvene-dist check``: does ReFT training under each strategy give the result of one device, here?
 
-For every strategy and world size this machine can run, train ``ParityCase`` under it in a world of
-spawned processes, train it once on one device in this process, compare, and print a table.
+Train the case once on one device in this process (the reference row), then under every strategy and
+world size this machine can run, each in a world of freshly spawned processes; compare every run with
+the reference and print a table.
+
+A rank is a process with one device: a GPU where there are GPUs (nccl), else a gloo process on the
+CPU. On CPU, ``check`` runs at most as many ranks as this process may use CPU cores (2 on a one-core
+machine): more would only take turns on the same cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import math
 import os
+import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,32 +25,46 @@ from typing import Callable, Iterable
 
 import torch
 
-from .testing import ParityCase, Record, Strategy, assert_parity, differences, spawn, train
+from .testing import Record, Strategy, assert_parity, differences, spawn, train
+from .testing.check_runs import CheckCase
 
 #: Given a world size: None when this machine can run it, else why not.
 Requirement = Callable[[int], "str | None"]
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit code 2."""
 
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _ranks(world_size: int) -> str | None:
-    """One rank per GPU where there are GPUs, else CPU processes over gloo."""
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_devices() -> tuple[int, str]:
+    """How many ranks this machine runs at once, and what a rank runs on."""
     if gpu_count():
-        return None if world_size <= gpu_count() else f"needs {world_size} GPUs, found {gpu_count()}"
-    cores = os.cpu_count() or 1
-    return None if world_size <= max(cores, 2) else f"needs {world_size} CPU cores, found {cores}"
+        return gpu_count(), "GPUs (one rank per GPU)"
+    return max(cpu_count(), 2), "CPU cores (one gloo rank per core)"
 
 
-def _gpus(world_size: int) -> str | None:
-    return None if gpu_count() >= max(world_size, 2) else f"needs {max(world_size, 2)} GPUs, found {gpu_count()}"
+def _ranks(world_size: int) -> str | None:
+    return None  # world sizes are checked against the machine up front (validate)
+
+
+def _gpu_ranks(world_size: int) -> str | None:
+    return None if gpu_count() >= world_size else f"needs {world_size} GPUs, found {gpu_count()}"
+
+
+def _two_gpus(world_size: int) -> str | None:
+    return None if gpu_count() >= 2 else f"needs 2 GPUs, found {gpu_count()}"
 
 
 def _deepspeed(requirement: Requirement) -> Requirement:
     def check(world_size: int) -> str | None:
-        import importlib.util
-
         if importlib.util.find_spec("deepspeed") is None:
             return "deepspeed not installed"
         return requirement(world_size)
@@ -49,64 +72,123 @@ def _deepspeed(requirement: Requirement) -> Requirement:
     return check
 
 
+def _accelerate(world_size: int) -> str | None:
+    return "accelerate not installed" if importlib.util.find_spec("accelerate") is None else None
+
+
 STRATEGIES: dict[str, Requirement] = {
     "ddp": _ranks,
     "ddp+checkpointing": _ranks,
     "fsdp2": _ranks,
+    "fsdp2+checkpointing": _ranks,
+    "accelerate": _accelerate,
     "zero2": _deepspeed(_ranks),
     "zero3": _deepspeed(_ranks),
     "zero3+checkpointing": _deepspeed(_ranks),
-    "fsdp1": _gpus,
-    "zero3-offload": _deepspeed(_gpus),
-    "dataparallel": _gpus,  # one process over every visible GPU
+    "fsdp1": _gpu_ranks,
+    "fsdp1+checkpointing": _gpu_ranks,
+    "zero3-offload": _deepspeed(_gpu_ranks),
+    "dataparallel": _two_gpus,  # one process over every visible GPU
+    "device_map": lambda n: _accelerate(n) or _two_gpus(n),  # one process, layers split over every visible GPU
 }
+#: Strategies run by one process spanning every visible GPU: listed once, not per world size.
+ONE_PROCESS = frozenset({"dataparallel", "device_map"})
+REFERENCE = "single"
 
 
 @dataclasses.dataclass
 class Row:
     strategy: str
     world_size: int
-    verdict: str  # "agrees", "differs", "failed", "unavailable"
+    verdict: str  # "reference", "agrees", "differs", "failed", "unavailable"
     loss: float | None = None
     grad: float | None = None
     weight: float | None = None
     peak_memory_bytes: int = 0
+    memory: str = ""  # what peak_memory_bytes measures (see peak_memory)
     seconds: float = 0.0
     detail: str = ""
 
 
-def run(case: ParityCase, strategies: Iterable[str], world_sizes: Iterable[int], *, progress=None) -> list[Row]:
-    reference = train(case, Strategy("cuda:0" if gpu_count() else "cpu"))  # this process, one device
-    plan = [(s, n) for s in strategies for n in ([1] if s == "dataparallel" else world_sizes)]
-    rows = []
-    for strategy, world_size in plan:
-        if progress:
-            progress(f"{strategy} x{world_size}")
+def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
+    """Raise ``UsageError`` for an unknown strategy or more ranks than this machine has devices."""
+    unknown = [name for name in strategies if name not in STRATEGIES and name != REFERENCE]
+    if unknown:
+        raise UsageError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    devices, what = rank_devices()
+    too_many = [size for size in world_sizes if size > devices]
+    if too_many:
+        raise UsageError(f"--world-sizes {','.join(map(str, too_many))}: this machine has {devices} {what}")
+    planned = [(name, size, STRATEGIES[name](size)) for name, size in plan(strategies, world_sizes)]
+    if not planned:
+        raise UsageError(f"no strategy to compare with {REFERENCE}; known: {', '.join(STRATEGIES)}")
+    if all(reason is not None for _, _, reason in planned):
+        reasons = "; ".join(f"{name} x{size} {reason}" for name, size, reason in planned)
+        raise UsageError(f"none of the strategies asked for can run on this machine: {reasons}")
+
+
+def plan(strategies: Iterable[str], world_sizes: Iterable[int]) -> list[tuple[str, int]]:
+    sizes = list(world_sizes)
+    return [(name, max(gpu_count(), 2)) if name in ONE_PROCESS else (name, size)
+            for name in dict.fromkeys(strategies) if name != REFERENCE
+            for size in ([None] if name in ONE_PROCESS else sizes)]
+
+
+def default_world_sizes() -> list[int]:
+    return [min(2, rank_devices()[0])]
+
+
+def batch_size(case: CheckCase, world_sizes: Iterable[int]) -> int:
+    """The case's batch, grown to a multiple of every world size (each rank gets an equal share)."""
+    return math.lcm(case.batch_size, *world_sizes, *([gpu_count()] if gpu_count() else []))
+
+
+def run(case: CheckCase, strategies: Iterable[str], world_sizes: Iterable[int], *, progress=None) -> list[Row]:
+    """The reference row, then one row per (strategy, world size) of ``plan``. ``progress(done, total, label)``."""
+    steps = plan(strategies, world_sizes)
+    progress = progress or (lambda done, total, label: None)
+    progress(0, len(steps) + 1, f"{REFERENCE} (reference)")
+    started = time.monotonic()
+    try:
+        reference = train(case, Strategy("cuda:0" if gpu_count() else "cpu"))
+    except Exception as error:
+        if not case.local:
+            raise
+        raise UsageError(f"cannot train ReFT on {case.model}: {type(error).__name__}: {error}") from error
+    memory, label = (reference.peak_memory_bytes, CUDA_MEMORY) if gpu_count() else (_peak_rss(), CPU_MEMORY)
+    rows = [Row(REFERENCE, 1, "reference", peak_memory_bytes=memory, memory=label,
+                seconds=time.monotonic() - started)]
+    for done, (strategy, world_size) in enumerate(steps, start=1):
         reason = STRATEGIES[strategy](world_size)
+        progress(done, len(steps) + 1, f"{strategy} x{world_size}" + (" (unavailable)" if reason else ""))
         if reason is not None:
             rows.append(Row(strategy, world_size, "unavailable", detail=reason))
             continue
         rows.append(_run_one(case, strategy, world_size, reference))
+    progress(len(steps) + 1, len(steps) + 1, "done")
     return rows
 
 
-def _run_one(case: ParityCase, strategy: str, world_size: int, reference: Record) -> Row:
+def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record) -> Row:
     started = time.monotonic()
     name, _, variant = strategy.partition("+")
     if variant == "checkpointing":
         case = dataclasses.replace(case, checkpointing="non-reentrant")  # compared with the plain reference
-    processes = 1 if name == "dataparallel" else world_size
+    processes = 1 if name in ONE_PROCESS else world_size
     backend = "nccl" if gpu_count() >= processes else "gloo"
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-check") as workdir:
         out = Path(workdir) / "record.pt"
         outcome = spawn(_train_on_rank, world_size=processes, backend=backend, workdir=workdir,
-                        args=(case, name, str(out)))
+                        args=(case, name, world_size, workdir))
         seconds = time.monotonic() - started
         if outcome.failed or not out.exists():
-            return Row(strategy, world_size, "failed", seconds=seconds, detail=outcome.report())
-        candidate = Record(**torch.load(out))
+            detail = outcome.report() + _log_tail(Path(workdir) / "rank0.log")
+            return Row(strategy, world_size, "failed", seconds=seconds, detail=detail)
+        saved = torch.load(out)
+    candidate = Record(**saved["record"])
     found = differences(reference, candidate)
-    row = Row(strategy, world_size, "agrees", found.loss, found.grad, found.weight, candidate.peak_memory_bytes, seconds)
+    row = Row(strategy, world_size, "agrees", found.loss, found.grad, found.weight, saved["peak"], saved["memory"],
+              seconds)
     try:
         assert_parity(reference, candidate, case.tolerance)
     except AssertionError as error:
@@ -114,25 +196,71 @@ def _run_one(case: ParityCase, strategy: str, world_size: int, reference: Record
     return row
 
 
-def _train_on_rank(case: ParityCase, strategy: str, out: str) -> None:
-    import contextlib
-    import sys
-
+def _train_on_rank(case: CheckCase, strategy: str, world_size: int, workdir: str) -> None:
     import torch.distributed as dist
 
     from . import patch
+    from .testing import check_runs
 
+    rank = dist.get_rank()
+    log = open(Path(workdir) / f"rank{rank}.log", "w")  # the ranks' chatter stays off the progress bar
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's, or the JSON's
-        patch()
+    patch()
+    if strategy == "accelerate":
+        record = check_runs.train_accelerate(case)
+    elif strategy == "device_map":
+        record = check_runs.train_split(case, world_size)
+    else:
         record = train(case, strategy)
-    if dist.get_rank() == 0:
-        torch.save(dataclasses.asdict(record), out)
+    memory, label = (_peak_cuda(), CUDA_MEMORY) if torch.cuda.is_available() else (_peak_rss(), CPU_MEMORY)
+    peaks = [0] * dist.get_world_size()
+    dist.all_gather_object(peaks, memory)
+    if rank == 0:
+        torch.save({"record": dataclasses.asdict(record), "peak": max(peaks), "memory": label},
+                   Path(workdir) / "record.pt")
+
+
+CUDA_MEMORY = "GPU: torch.cuda.max_memory_allocated during training, largest rank"
+CPU_MEMORY = "CPU: peak resident set size of the process (imports included), largest rank"
+
+
+def _peak_cuda() -> int:
+    return max(torch.cuda.max_memory_allocated(device) for device in range(torch.cuda.device_count()))
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _log_tail(log: Path, lines: int = 20) -> str:
+    if not log.exists():
+        return ""
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    return "\n--- rank 0 output, last lines:\n" + "\n".join(tail) if tail else ""
+
+
+def describe(case: CheckCase) -> str:
+    """One line saying what is trained, including what was chosen to fit the model."""
+    from .testing.check_runs import has_weights
+
+    if not case.local:
+        source = "built-in, built from a config"
+    elif has_weights(case.model):
+        source = "its weights"
+    else:
+        source = f"built from its config, random weights (seed {case.seed})"
+    plural = "s" if len(case.layers) > 1 else ""
+    return (f"model {case.model} ({source}); {case.intervention} rank {case.rank} at {case.component} of "
+            f"layer{plural} {', '.join(map(str, case.layers))}; {case.dtype}, {case.steps} steps of "
+            f"{case.batch_size} sequences x {case.seq_len} tokens")
 
 
 def table(rows: list[Row]) -> str:
-    header = ("strategy", "world", "max |dloss|", "max rel dgrad", "max rel dweight", "peak mem", "time", "verdict")
+    header = ("strategy", "world", "max |dloss|", "max rel dgrad", "max rel dweight",
+              "peak mem" + (" (RSS)" if any(row.memory == CPU_MEMORY for row in rows) else ""), "time", "verdict")
     lines = [header]
     for row in rows:
         lines.append((
@@ -146,14 +274,42 @@ def table(rows: list[Row]) -> str:
             row.verdict if row.verdict != "unavailable" else f"unavailable: {row.detail}",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join(
+    text = "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in lines
     )
+    memory = sorted({row.memory for row in rows if row.memory})
+    text += "".join(f"\npeak mem: {label}" for label in memory)
+    for row in rows:
+        if row.verdict in ("failed", "differs"):
+            text += f"\n\n{row.strategy} x{row.world_size} {row.verdict}:\n{row.detail}"
+    return text
 
 
 def to_json(rows: list[Row]) -> str:
     return json.dumps([dataclasses.asdict(row) for row in rows], indent=2)
 
 
+def passed(rows: list[Row]) -> bool:
+    return all(row.verdict in ("reference", "agrees", "unavailable") for row in rows)
+
+
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
+
+
+class Progress:
+    """A bar on a terminal, one line per step otherwise (logs, CI)."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.started = stream, time.monotonic()
+        self.tty = stream.isatty()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        elapsed = f"{time.monotonic() - self.started:.0f} s"
+        if self.tty:
+            bar = "#" * (20 * done // total) + "-" * (20 - 20 * done // total)
+            end = "\n" if done == total else ""
+            self.stream.write(f"\r\033[K[{bar}] {done}/{total} {elapsed} {label}{end}")
+        else:
+            self.stream.write(f"[{done}/{total}] {elapsed} {label}\n")
+        self.stream.flush()
