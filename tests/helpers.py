@@ -1,18 +1,54 @@
 """Helpers shared by the tests (importable from spawned ranks too: this folder is on sys.path)."""
 
 import os
+from pathlib import Path
+
+#: Set to a folder of patched pyvene/pyreft copies (scripts/upstream_patches.py) to test those instead.
+UPSTREAM_ENV = "PYVENE_DIST_TEST_UPSTREAM"
 
 
 def patch():
     """``pyvene_dist.patch()``, minus the concerns named in PYVENE_DIST_TEST_WITHOUT (or all of them).
 
     PYVENE_DIST_TEST_WITHOUT=weight_decay,hooks pytest tests/   shows which tests fail without those fixes.
+    PYVENE_DIST_TEST_UPSTREAM=<folder>: see ``patch_upstream``.
     """
     import pyvene_dist
     from pyvene_dist import patches
 
+    upstream = os.environ.get(UPSTREAM_ENV)
+    if upstream:
+        return patch_upstream(Path(upstream))
     without = set(filter(None, os.environ.get("PYVENE_DIST_TEST_WITHOUT", "").split(",")))
     if "all" in without:
         return
     patches.CONCERNS = tuple(c for c in patches.CONCERNS if c not in without)
     pyvene_dist.patch()
+
+
+def patch_upstream(folder: Path) -> None:
+    """The tests against pyvene and pyreft with the upstream diffs applied, in ``folder``.
+
+    Those copies must be what is imported, and their ``FIXES`` must name every concern with a diff
+    (``patch()`` would skip those). Only the runtime-only concerns for torch's DDP and FSDP setup are
+    applied, and they must wrap nothing of pyvene or pyreft (``data_parallel``, runtime-only and
+    GPU-only, is left off). Performance concerns without a diff are left off too: parity needs none.
+    """
+    import pyreft
+    import pyvene
+
+    import pyvene_dist
+    from pyvene_dist import patches
+    from pyvene_dist._registry import REGISTRY
+
+    for module in (pyvene, pyreft):
+        if not Path(module.__file__).resolve().is_relative_to(folder.resolve()):
+            raise RuntimeError(f"{UPSTREAM_ENV}={folder}, but {module.__name__} is imported from {module.__file__}")
+    not_carried = sorted(set(patches.UPSTREAM) - patches.upstreamed())
+    if not_carried:
+        raise RuntimeError(f"the copies in {folder} do not report carrying {not_carried} in their FIXES")
+    patches.CONCERNS = tuple(c for c in patches.CONCERNS if c in patches.RUNTIME_ONLY and c != "data_parallel")
+    pyvene_dist.patch()
+    touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
+    if touched:
+        raise RuntimeError(f"runtime-only concerns wrapped pyvene or pyreft: {touched}")

@@ -1,0 +1,163 @@
+"""The upstream diffs under patches/: they apply cleanly, they follow the runtime fixes, and pyvene and
+pyreft patched with them pass the CPU parity suite without pyvene_dist's runtime fixes.
+
+The suite runs in a subprocess with the patched copies first on PYTHONPATH and
+PYVENE_DIST_TEST_UPSTREAM naming them: ``helpers.patch()``, in this process and in every spawned rank,
+then checks that the copies are what is imported, that their ``FIXES`` carry every concern with a
+diff, and applies only the runtime-only concerns for torch's DDP and FSDP setup (see
+``helpers.patch_upstream``). Against unpatched copies the same selection fails (docs/upstreaming.md).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import wrapt
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "upstream_patches.py"
+
+#: One process, DDP, FSDP2, ZeRO-2/3, gradient checkpointing, checkpoints, device_map offload.
+SUITE = [
+    "tests/test_parameters.py",
+    "tests/test_train_mode.py",
+    "tests/test_hooks.py",
+    "tests/test_devices.py",
+    "tests/test_trainer.py",
+    "tests/test_checkpoints.py",
+    "tests/test_device_map.py",
+    "tests/test_checkpointing.py::test_checkpointed_training_equals_plain_training[mlp_output-reentrant]",
+    "tests/test_checkpointing.py::test_checkpointed_training_equals_plain_training[attention_output-non-reentrant]",
+    "tests/test_checkpointing.py::test_checkpointed_training_equals_plain_training[block_input-reentrant]",
+    "tests/test_checkpointing.py::test_hooks_are_gone_after_backward_and_after_no_grad",
+    "tests/test_checkpointing.py::test_interchange_intervention_with_sources_under_checkpointing",
+    "tests/test_checkpointing.py::test_checkpointing_under_strategies_matches_plain_single[world2-ddp-reentrant]",
+    "tests/test_checkpointing.py::test_checkpointing_under_strategies_matches_plain_single[world2-zero3-non-reentrant]",
+    "tests/test_ddp.py::test_ddp_matches_one_process[world2-llama-fp32]",
+    "tests/test_ddp_trainer.py::test_ddp_does_not_search_for_unused_parameters[world2]",
+    "tests/test_fsdp.py::test_fsdp2_matches_one_process[world2-llama-fp32]",
+    "tests/test_fsdp.py::test_base_is_sharded_and_interventions_stay_whole[world2]",
+    "tests/test_deepspeed.py::test_zero_matches_one_process[world2-zero2]",
+    "tests/test_deepspeed.py::test_zero_matches_one_process[world2-zero3]",
+    "tests/test_deepspeed.py::test_zero3_partitions_the_base_model_and_the_interventions[world2]",
+    "tests/test_deepspeed.py::test_zero3_saves_whole_weights_once_and_loads_them[world2]",
+]
+
+
+def build(dest: Path, *extra: str) -> Path:
+    result = subprocess.run([sys.executable, str(SCRIPT), "apply", str(dest), *extra], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return dest
+
+
+def upstream_env(copies: Path) -> dict:
+    path = os.pathsep.join(filter(None, [str(copies), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYVENE_DIST_TEST_UPSTREAM": str(copies)}
+
+
+def test_every_concern_has_a_diff_or_a_reason():
+    from pyvene_dist import patches
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import upstream_patches
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    unclassified = [c for c in patches.CONCERNS if c not in patches.UPSTREAM and c not in patches.RUNTIME_ONLY]
+    assert not unclassified, (
+        f"{unclassified}: add patches/<package>/<concern>.diff (and list it in patches.UPSTREAM), or name it in "
+        "patches.RUNTIME_ONLY with the reason in docs/upstreaming.md"
+    )
+    in_series = {}
+    for package in upstream_patches.PACKAGES:
+        for diff in upstream_patches.series(package):
+            in_series.setdefault(diff.stem, []).append(package)
+    assert in_series == {concern: list(packages) for concern, packages in patches.UPSTREAM.items()}
+    assert not set(in_series) & set(patches.RUNTIME_ONLY)
+
+
+def test_each_diff_mirrors_its_runtime_concern_as_it_is_now():
+    result = subprocess.run([sys.executable, str(SCRIPT), "check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_patched_copies_are_imported_and_pass_the_version_guard(tmp_path):
+    copies = build(tmp_path / "site")
+    code = (
+        "import pyvene, pyreft; from pyvene_dist import _versions, patches;"
+        "print(pyvene.__file__); print(pyreft.__file__); print(_versions.mismatches());"
+        "print(sorted(patches.upstreamed()) == sorted(patches.UPSTREAM))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=upstream_env(copies), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    pyvene_file, pyreft_file, mismatches, skipped = result.stdout.splitlines()[-4:]  # pyvene prints about nnsight
+    assert Path(pyvene_file).is_relative_to(copies) and Path(pyreft_file).is_relative_to(copies)
+    assert mismatches == "[]" and skipped == "True"
+
+
+def test_patch_skips_a_concern_upstream_carries(monkeypatch):
+    import pyreft
+    import pyvene
+    from pyvene.models.intervenable_base import BaseModel, IntervenableModel
+
+    import pyvene_dist
+
+    monkeypatch.setattr(pyvene, "FIXES", frozenset({"train_mode", "deepspeed", "hooks"}), raising=False)
+    monkeypatch.setattr(pyreft, "FIXES", frozenset(), raising=False)
+    train = vars(IntervenableModel)["train"]
+    pyvene_dist.patch()
+    try:
+        assert pyvene_dist.is_patched()
+        assert vars(IntervenableModel)["train"] is train  # pyvene carries it: left alone
+        assert isinstance(vars(BaseModel)["named_parameters"], wrapt.FunctionWrapper)  # pyvene does not
+        assert isinstance(vars(BaseModel)["count_parameters"], wrapt.FunctionWrapper)  # pyreft lacks its half
+        # hooks is upstream, but the runtime checkpointing fix is built on the runtime hooks fix
+        assert isinstance(vars(IntervenableModel)["_remove_forward_hooks"], wrapt.FunctionWrapper)
+    finally:
+        pyvene_dist.unpatch()
+    assert not pyvene_dist.is_patched()
+    assert not isinstance(vars(BaseModel)["named_parameters"], wrapt.FunctionWrapper)
+    assert vars(IntervenableModel)["train"] is train
+
+
+def test_upstreamed_needs_every_package_and_counts_a_missing_optional_one(monkeypatch):
+    from pyvene_dist import patches
+
+    carried = {"pyvene": frozenset({"deepspeed", "hooks", "checkpointing"}), "pyreft": frozenset()}
+    monkeypatch.setattr(patches, "carried_fixes", lambda package: carried[package])
+    assert patches.upstreamed() == {"hooks", "checkpointing"}
+    carried["pyreft"] = None  # not installed: nothing of pyreft to fix
+    assert patches.upstreamed() == {"hooks", "checkpointing", "deepspeed", "trainer", "weight_decay"}
+
+
+def test_fixes_are_read_without_importing_the_package(tmp_path, monkeypatch):
+    from pyvene_dist import patches
+
+    package = tmp_path / "fixed_package_for_pyvene_dist"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise ImportError("imported")\nFIXES = frozenset({\n    "hooks",\n})\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert patches.carried_fixes(package.name) == {"hooks"}
+    assert patches.carried_fixes("no_such_package_for_pyvene_dist") is None
+
+
+def test_patched_sources_pass_the_cpu_suite(tmp_path):
+    copies = build(tmp_path / "site")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE]
+    result = subprocess.run(command, cwd=ROOT, env=upstream_env(copies), capture_output=True, text=True, timeout=1500)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0, f"against {copies}:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+    assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("package", ["pyvene", "pyreft"])
+def test_series_applies_with_no_fuzz_offset_or_reject(tmp_path, package):
+    copies = build(tmp_path / "site")
+    fixes = subprocess.run([sys.executable, "-c", f"import {package}; print(sorted({package}.FIXES))"],
+                           env=upstream_env(copies), capture_output=True, text=True)
+    from pyvene_dist import patches
+
+    expected = sorted(c for c, packages in patches.UPSTREAM.items() if package in packages)
+    assert fixes.stdout.splitlines()[-1] == str(expected), fixes.stderr
