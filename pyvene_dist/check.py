@@ -212,7 +212,7 @@ def _train_on_rank(case: CheckCase, strategy: str, world_size: int, workdir: str
     if strategy == "accelerate":
         record = check_runs.train_accelerate(case)
     elif strategy == "device_map":
-        record = check_runs.train_split(case, world_size)
+        record = check_runs.train_split(case, list(range(world_size)))
     else:
         record = train(case, strategy)
     memory, label = (_peak_cuda(), CUDA_MEMORY) if torch.cuda.is_available() else (_peak_rss(), CPU_MEMORY)
@@ -251,7 +251,7 @@ def describe(case: CheckCase) -> str:
     elif has_weights(case.model):
         source = "its weights"
     else:
-        source = f"built from its config, random weights (seed {case.seed})"
+        source = f"built from its config with random weights, seed {case.seed}"
     plural = "s" if len(case.layers) > 1 else ""
     return (f"model {case.model} ({source}); {case.intervention} rank {case.rank} at {case.component} of "
             f"layer{plural} {', '.join(map(str, case.layers))}; {case.dtype}, {case.steps} steps of "

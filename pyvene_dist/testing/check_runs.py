@@ -4,7 +4,7 @@ with ``device_map``, and accelerate's ``Accelerator.prepare``.
 
     case = CheckCase(model="path/to/model", layers=representation_layers(model_config("path/to/model")))
     reference = train(case, "single")
-    split = train_split(case, gpus=2)             # one process, decoder layers spread over cuda:0 and cuda:1
+    split = train_split(case, [0, 1])             # one process, decoder layers spread over cuda:0 and cuda:1
     assert_parity(reference, split, case.tolerance)
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -101,24 +102,24 @@ class CheckCase(ParityCase):
         return super().build() if not self.local else self.reft_model(self.base_model())
 
 
-def split_map(model: nn.Module, gpus: int) -> dict[str, int]:
-    """A ``device_map`` putting the decoder layers on GPUs ``0..gpus-1`` in contiguous, even groups
-    (first layers on GPU 0) and every other module (embeddings, norm, head) on GPU 0."""
+def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str | int]:
+    """A ``device_map`` putting the decoder layers on ``devices`` in contiguous, even groups (the first
+    layers on ``devices[0]``) and every other module (embeddings, norm, head) on ``devices[0]``."""
     from ..fsdp import layer_classes
 
     classes = layer_classes(model)
     layers = [name for name, module in model.named_modules() if type(module).__name__ in classes]
-    if len(layers) < gpus:
+    if len(layers) < len(devices):
         raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers ({sorted(classes)}), "
-                         f"too few to split over {gpus} GPUs")
-    owner = {name: index * gpus // len(layers) for index, name in enumerate(layers)}
-    device_map: dict[str, int] = {}
+                         f"too few to split over {len(devices)} devices")
+    owner = {name: devices[index * len(devices) // len(layers)] for index, name in enumerate(layers)}
+    device_map: dict[str, str | int] = {}
 
     def place(prefix: str, module: nn.Module) -> None:
         if prefix in owner:
             device_map[prefix] = owner[prefix]
         elif prefix and not any(name.startswith(prefix + ".") for name in owner):
-            device_map[prefix] = 0
+            device_map[prefix] = devices[0]
         else:
             for name, child in module.named_children():
                 place(f"{prefix}.{name}" if prefix else name, child)
@@ -127,30 +128,33 @@ def split_map(model: nn.Module, gpus: int) -> dict[str, int]:
     return device_map
 
 
-def train_split(case: CheckCase, gpus: int) -> Record:
-    """Train ``case`` in this process with its base model's layers split over ``gpus`` GPUs
-    (``accelerate.dispatch_model``, as ``from_pretrained(..., device_map=...)`` does), whole batches."""
+def train_split(case: CheckCase, devices: Sequence[str | int]) -> Record:
+    """Train ``case`` in this process with its base model's layers split over ``devices`` (GPU indices,
+    or "cpu" to try it without GPUs) by ``accelerate.dispatch_model``, as ``from_pretrained(...,
+    device_map=...)`` splits a model; whole batches. The peak is the largest GPU's."""
     from accelerate import dispatch_model
 
     from ..optim import param_groups
 
+    main = torch.device("cuda", devices[0]) if isinstance(devices[0], int) else torch.device(devices[0])
+    gpus = sorted({device for device in devices if isinstance(device, int)})
     base = case.base_model()
-    base = dispatch_model(base, split_map(base, gpus), main_device="cuda:0")
+    base = dispatch_model(base, split_map(base, devices), main_device=main)
     model = case.reft_model(base)
     model.train()
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
-    for device in range(gpus):
-        torch.cuda.reset_peak_memory_stats(device)
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
     losses, grads = [], []
     for batch in case.batches():
-        loss = _loss(model, batch, torch.device("cuda:0"))
+        loss = _loss(model, batch, main)
         loss.backward()
         losses.append(loss.item())
         grads.append(intervention_grads(model))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = max(torch.cuda.max_memory_allocated(device) for device in range(gpus))
-    return Record("device_map", gpus, losses, grads, intervention_weights(model), peak)
+    peak = max((torch.cuda.max_memory_allocated(gpu) for gpu in gpus), default=0)
+    return Record("device_map", len(devices), losses, grads, intervention_weights(model), peak)
 
 
 def train_accelerate(case: ParityCase) -> Record:
