@@ -1,0 +1,407 @@
+"""Every command in README.md and docs/ is run: here, or by the test (or setup script) the registry names.
+
+Shell commands come from ```bash, ```sh, ```shell and ```console blocks (console: the lines after `$ `),
+split at `&&` and `;`, comments dropped. Each is either
+
+- in ``RUN_HERE``: this file runs it, from the repository root, with the virtual environment's
+  ``bin`` first on ``PATH``, and checks its exit code; or
+- in ``RUN_BY``: the test that runs it. The named file must define that test, contain every file name
+  the command mentions (scripts, config files) and the ``evidence`` given, and a command that needs
+  GPUs must name a test marked ``@pytest.mark.gpus``, so the registry cannot rot.
+
+An unregistered command fails, naming its file and line: register it (or run it here) when you add it.
+Python blocks: a block whose first line is ``# <path>`` must equal that file; a block that is a complete
+program (no name it does not define, no ``...``) is run (with pytest when it defines tests); the
+others are fragments of the pages' prose and are not run. Config files: every file in docs/configs/
+is one a test uses, and every one the docs name exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import symtable
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SHELL = {"bash", "sh", "shell", "console"}
+TEST_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "OMP_NUM_THREADS": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunBy:
+    """``where``: ``tests/<file>.py::<test>[<param id>]`` or a script CI runs (``scripts/setup.sh``)."""
+
+    where: str
+    evidence: tuple[str, ...] = ()
+    gpus: int = 0
+    note: str = ""
+
+
+CI = RunBy("scripts/setup.sh", note="CI runs `bash scripts/setup.sh && .venv/bin/python -m pytest`")
+LAUNCHERS = "tests/test_launchers.py::test_torchrun_pyreft_trainer_matches_one_process"
+ACCELERATE_LAUNCH = "tests/test_accelerate.py::test_accelerate_launch_with_the_documented_config"
+#: The full check runs every strategy, each as `--strategies <name>` alone would (the test asserts every row).
+DEFAULT_CHECK = RunBy("tests/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
+                      ("set(rows) == set(check.STRATEGIES)",))
+GPU_CHECK = RunBy("tests/test_check.py::test_every_strategy_agrees_on_gpus",
+                  ('{name: "agrees" for name in check.STRATEGIES}',), gpus=2)
+UPSTREAM_SERIES = "tests/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
+BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
+
+#: Commands this file runs, with the exit code they must give.
+RUN_HERE: dict[str, int] = {
+    "pyvene-dist check --strategies ddp,fsdp2 --world-sizes 1,2 --steps 2": 0,
+    "pyvene-dist check --model gpt2 --dtype bfloat16 --strategies ddp --json": 0,
+    "python docs/examples/train_reft.py": 0,
+    "torchrun --nproc_per_node 2 docs/examples/train_reft.py": 0,
+    "torchrun --nproc_per_node 2 docs/examples/train_reft.py --deepspeed docs/configs/deepspeed-zero3.json": 0,
+}
+
+#: Commands other tests (or CI's setup) run.
+RUN_BY: dict[str, RunBy] = {
+    "bash scripts/setup.sh": CI,
+    ".venv/bin/python -m pytest": CI,
+    "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),
+    'pip install -e ".[accelerate]"': RunBy("scripts/setup.sh", ('pip install -e ".[test,accelerate]"',)),
+    "pip install --no-deps pyreft==0.1.0": RunBy("scripts/setup.sh", ("pip install --no-deps pyreft==0.1.0",)),
+    ".venv/bin/pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
+    "pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
+    "pyvene-dist check --model path/to/model --strategies ddp":
+        RunBy("tests/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
+              ('"--model", str(tmp_path)', '"--strategies"')),
+    "pyvene-dist check --strategies ddp,ddp+checkpointing": DEFAULT_CHECK,
+    "pyvene-dist check --strategies fsdp2,fsdp2+checkpointing,fsdp1,fsdp1+checkpointing": DEFAULT_CHECK,
+    "pyvene-dist check --strategies accelerate": DEFAULT_CHECK,
+    "pyvene-dist check --strategies dataparallel": GPU_CHECK,
+    "pyvene-dist check --strategies device_map": GPU_CHECK,
+    "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt":
+        RunBy(LAUNCHERS, ('"--nproc_per_node", str(nproc)', "launch(tmp_path, 2")),
+    "CUDA_VISIBLE_DEVICES=0,1 python tests/scripts/train_with_trainer.py /tmp/record.pt --trainer ReftTrainer":
+        RunBy("tests/test_data_parallel.py::test_hf_trainer_data_parallel_matches_one_gpu",
+              ('"0,1"', '"--trainer"', "CUDA_VISIBLE_DEVICES"), gpus=2),
+    "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt --fsdp 2":
+        RunBy("tests/test_launchers.py::test_torchrun_hf_trainer_fsdp_matches_one_process",
+              ('"--fsdp", str(version)', "[2, 1]"), gpus=2),
+    "accelerate launch --config_file docs/configs/accelerate-ddp.yaml tests/scripts/train_with_accelerate.py /tmp/r.pt":
+        RunBy(ACCELERATE_LAUNCH, ("accelerate.commands.launch", "--config_file"), gpus=2),
+    "accelerate launch --config_file docs/configs/accelerate-fsdp2.yaml tests/scripts/train_with_accelerate.py "
+    "/tmp/r.pt": RunBy(ACCELERATE_LAUNCH, ("accelerate.commands.launch", "--config_file"), gpus=2),
+    "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/train_with_accelerate.py /tmp/r.pt":
+        RunBy("tests/test_accelerate.py::test_accelerate_script_under_torchrun",
+              ('"ACCELERATE_USE_CPU": "1"', '"--nproc_per_node", "2"')),
+    "python scripts/upstream_patches.py apply /tmp/up": RunBy(UPSTREAM_SERIES, ('"apply"',)),
+    'PYTHONPATH=/tmp/up python -c "import pyvene; print(sorted(pyvene.FIXES))"':
+        RunBy(UPSTREAM_SERIES, ('print(sorted({package}.FIXES))', '"PYTHONPATH"')),
+    "for diff in $(grep -v '^#' /path/to/pyvene_dist/patches/pyvene/series); do patch -p1 --fuzz=0 < "
+    "/path/to/pyvene_dist/patches/pyvene/$diff || break; done":
+        RunBy("scripts/upstream_patches.py", ('"patch", "-p1", "--fuzz=0"', "series"),
+              note="the script applies each diff of the series this way; tests/test_upstream_patches.py runs it"),
+    ".venv/bin/python -m pytest tests/test_upstream_patches.py": RunBy("tests/test_upstream_patches.py", note="CI's "
+                                                                       "pytest run includes this file"),
+    "python benchmarks/scaling.py --strategies ddp,fsdp2,zero2,zero3 --world-sizes 1,2 --model llama-1b":
+        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_a_row_per_strategy_and_world_size",
+              ('"--strategies", "ddp,fsdp2,zero3"',), note=BENCHMARK_NOTE),
+    "python benchmarks/overhead.py": RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
+                                           note=BENCHMARK_NOTE),
+    "python benchmarks/scaling.py --smoke":
+        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_a_row_per_strategy_and_world_size", ('"--smoke"',)),
+    "python benchmarks/overhead.py --smoke":
+        RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
+}
+
+#: Every file in docs/configs/, and the test that uses it (its file must name it).
+CONFIGS = {
+    "accelerate-ddp.yaml": ACCELERATE_LAUNCH,
+    "accelerate-fsdp2.yaml": ACCELERATE_LAUNCH,
+    "deepspeed-zero3.json": "tests/test_docs.py::test_the_command_runs_here",
+    "deepspeed-zero3-offload.json": "tests/test_docs.py::test_deepspeed_configs_are_the_tests_configs",
+}
+
+
+# --- reading the pages -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # of the first line inside the fence
+    language: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{_shown(self.page)}:{self.line}"
+
+
+def _shown(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def blocks(page: Path) -> list[Block]:
+    found, fence, start, language, lines = [], None, 0, "", []
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        stripped = line.strip()
+        if fence is None and stripped.startswith("```"):
+            fence, start, language, lines = stripped[:3], number + 1, stripped[3:].split(" ")[0].strip(), []
+        elif fence is not None and stripped == fence:
+            found.append(Block(page, start, language, "\n".join(lines) + "\n"))
+            fence = None
+        elif fence is not None:
+            lines.append(line)
+    return found
+
+
+def shell_commands(block: Block) -> list[tuple[str, str]]:
+    """(where, command) for every command in a shell block: lines joined at a trailing backslash and
+    over a compound command (``for ... done``, ``if ... fi``), then split at ``&&`` and ``;`` outside
+    quotes and compound commands; comments dropped; whitespace collapsed."""
+    commands, pending, first_line, depth = [], "", 0, 0
+    for offset, line in enumerate(block.text.splitlines()):
+        if block.language == "console":
+            if not line.startswith("$ ") and not pending:
+                continue
+            line = line[2:] if line.startswith("$ ") else line
+        line = _strip_comment(line).rstrip()
+        if not line and not pending:
+            continue
+        first_line = first_line if pending else block.line + offset
+        words = line.replace(";", " ; ").split()
+        depth += sum(word in ("for", "while", "until", "if", "case") for word in words[:1] + [
+            after for before, after in zip(words, words[1:]) if before in (";", "&&", "do", "then")])
+        depth -= sum(word in ("done", "fi", "esac") for word in words)
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        if depth > 0:
+            pending += line + (" " if line.endswith(("do", "then", "else")) else "; ")
+            continue
+        text = pending + line
+        parts = [text] if pending.strip() and re.match(r"(for|while|until|if|case)\b", pending.strip()) \
+            else _split(text)
+        commands.extend((f"{_shown(block.page)}:{first_line}", " ".join(part.split())) for part in parts if part.strip())
+        pending, depth = "", 0
+    return commands
+
+
+def _strip_comment(line: str) -> str:
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index]
+    return line
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at ``&&`` and ``;`` outside quotes."""
+    parts, current, quote, index = [], "", None, 0
+    while index < len(text):
+        char = text[index]
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == ";" or text.startswith("&&", index):
+            parts.append(current)
+            current, index = "", index + (2 if char == "&" else 1)
+            continue
+        current += char
+        index += 1
+    return parts + [current]
+
+
+def all_commands() -> list[tuple[str, str]]:
+    return [found for page in PAGES for block in blocks(page) if block.language in SHELL
+            for found in shell_commands(block)]
+
+
+def python_blocks() -> list[Block]:
+    return [block for page in PAGES for block in blocks(page) if block.language == "python"]
+
+
+def undefined_names(source: str) -> set[str]:
+    """Names a program reads but neither defines, imports nor gets from builtins (empty: it is complete)."""
+    top = symtable.symtable(source, "<doc>", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    missing = set()
+
+    def visit(table) -> None:
+        for symbol in table.get_symbols():
+            global_read = table is top or symbol.is_global()
+            if symbol.is_referenced() and global_read and symbol.get_name() not in defined:
+                missing.add(symbol.get_name())
+        for child in table.get_children():
+            visit(child)
+
+    visit(top)
+    return {name for name in missing if not hasattr(builtins, name)}
+
+
+def is_complete(block: Block) -> bool:
+    try:
+        tree = ast.parse(block.text)
+    except SyntaxError:
+        return False
+    ellipsis = any(isinstance(node, ast.Constant) and node.value is Ellipsis for node in ast.walk(tree))
+    return not ellipsis and not undefined_names(block.text)
+
+
+def copied_file(block: Block) -> Path | None:
+    first = block.text.splitlines()[0] if block.text.strip() else ""
+    return ROOT / first[2:].strip() if first.startswith("# ") and (ROOT / first[2:].strip()).is_file() else None
+
+
+# --- the tests ----------------------------------------------------------------------------------------------
+
+def test_every_command_is_run_here_or_by_a_named_test():
+    commands = all_commands()
+    assert any(command == ".venv/bin/pyvene-dist check" for _, command in commands)  # the reader found the README's
+    unregistered = [f"{where}: {command}" for where, command in commands if command not in RUN_HERE | RUN_BY]
+    assert not unregistered, ("commands in the docs that no test runs; add each to RUN_HERE or RUN_BY in "
+                              "tests/test_docs.py:\n" + "\n".join(unregistered))
+
+
+def test_registered_commands_are_still_in_the_docs():
+    documented = {command for _, command in all_commands()}
+    stale = sorted((set(RUN_HERE) | set(RUN_BY)) - documented)
+    assert not stale, f"registered but in no page any more (remove them): {stale}"
+
+
+@pytest.mark.parametrize("command", sorted(RUN_BY))
+def test_the_named_test_runs_the_command(command):
+    run_by = RUN_BY[command]
+    path, _, test = run_by.where.partition("::")
+    source = (ROOT / path).read_text()
+    if test:
+        name, _, param = test.partition("[")
+        assert re.search(rf"^def {name}\(", source, re.M), f"{path} defines no {name} (registered for {command!r})"
+        if param:
+            assert f'id="{param.rstrip("]")}"' in source, f"{path} has no parameter id {param} ({command!r})"
+    for token in command.split():
+        if "/" in token and not token.startswith(".venv/") and (ROOT / token).is_file() and token != path:
+            assert Path(token).name in source, f"{path} never names {Path(token).name}, which {command!r} runs"
+    for evidence in run_by.evidence:
+        assert evidence in source, f"{path} does not contain {evidence!r}, the sign that it runs {command!r}"
+    if run_by.gpus:
+        assert _gpu_marked(source, test, run_by.gpus), f"{run_by.where} is not marked @pytest.mark.gpus({run_by.gpus})"
+    elif test:
+        assert not _gpu_marked(source, test, 1, any_count=True), f"{run_by.where} needs GPUs: register it with gpus="
+
+
+def _gpu_marked(source: str, test: str, gpus: int, any_count: bool = False) -> bool:
+    name, _, param = test.partition("[")
+    pattern = r"pytest\.mark\.gpus\(\d+\)" if any_count else rf"pytest\.mark\.gpus\({gpus}\)"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            if any(re.search(pattern, ast.unparse(decorator)) for decorator in node.decorator_list):
+                return True
+    line = next((line for line in source.splitlines() if param and f'id="{param.rstrip("]")}"' in line), "")
+    return bool(re.search(pattern, line))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(RUN_HERE))
+def test_the_command_runs_here(command, tmp_path):
+    result = subprocess.run(command, shell=True, cwd=ROOT, env=TEST_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == RUN_HERE[command], (
+        f"{command!r} exited {result.returncode}, expected {RUN_HERE[command]}:\n{result.stdout[-3000:]}\n"
+        f"{result.stderr[-5000:]}")
+
+
+@pytest.mark.parametrize("block", [b for b in python_blocks() if copied_file(b)], ids=lambda b: b.where)
+def test_a_block_naming_a_file_is_that_file(block):
+    path = copied_file(block)
+    body = block.text.split("\n", 1)[1]
+    assert body == path.read_text(), f"{block.where} is not {path.relative_to(ROOT)} any more: copy it again"
+    assert any(str(path.relative_to(ROOT)) in command for command in RUN_HERE), f"nothing in RUN_HERE runs {path}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in python_blocks() if is_complete(b) and not copied_file(b)],
+                         ids=lambda b: b.where)
+def test_a_complete_python_example_runs(block, tmp_path):
+    program = tmp_path / ("test_example.py" if re.search(r"^def test_", block.text, re.M) else "example.py")
+    program.write_text(block.text)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(program)] \
+        if program.name.startswith("test_") else [sys.executable, str(program)]
+    result = subprocess.run(command, cwd=tmp_path, env=TEST_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"the example at {block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+def test_the_fragment_rule_tells_programs_from_fragments():
+    block = lambda text: Block(ROOT / "README.md", 1, "python", text)  # noqa: E731
+    assert is_complete(block("import os\nprint(os.sep)\n"))
+    assert is_complete(block("import pytest\n\ndef test_x():\n    assert pytest\n"))
+    assert not is_complete(block("trainer.train()\n"))
+    assert not is_complete(block("TrainingArguments(..., fsdp=True)\n"))
+    assert not is_complete(block("def f():\n    return model\n"))
+
+
+def test_the_command_reader_finds_what_a_reader_would_type(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nbash a.sh && b --x 1    # both\nc \\\n  --y 2\n```\n"
+                    "```console\n$ d --z; e\noutput line\n```\n```python\nnot_a_command\n```\n"
+                    "```sh\nf -c \"import a; print(1)\" # x  # comment\nfor x in $(ls); do\n  echo $x || break\ndone\n```\n")
+    found = [found for block in blocks(page) if block.language in SHELL for found in shell_commands(block)]
+    assert found == [(f"{page}:2", "bash a.sh"), (f"{page}:2", "b --x 1"), (f"{page}:3", "c --y 2"),
+                     (f"{page}:7", "d --z"), (f"{page}:7", "e"), (f"{page}:14", 'f -c "import a; print(1)"'),
+                     (f"{page}:15", "for x in $(ls); do echo $x || break; done")]
+
+
+def test_config_files_are_the_ones_the_tests_use():
+    present = {path.name for path in (ROOT / "docs" / "configs").iterdir()}
+    assert present == set(CONFIGS), f"docs/configs/ holds {sorted(present)}; CONFIGS names {sorted(CONFIGS)}"
+    for name, where in CONFIGS.items():
+        path, _, test = where.partition("::")
+        source = (ROOT / path).read_text()
+        assert name in source and re.search(rf"^def {test}\(", source, re.M), f"{where} does not use {name}"
+    named = {match for page in PAGES for match in re.findall(r"docs/configs/[\w.-]+|configs/[\w.-]+\.(?:yaml|json)",
+                                                              page.read_text())}
+    missing = sorted(name for name in named if not (ROOT / "docs" / "configs" / Path(name).name).is_file())
+    assert not missing, f"the docs name config files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("name, stage", [("deepspeed-zero3.json", "3"), ("deepspeed-zero3-offload.json", "3-offload")])
+def test_deepspeed_configs_are_the_tests_configs(name, stage):
+    from pyvene_dist.testing.hf import deepspeed_config
+
+    assert json.loads((ROOT / "docs" / "configs" / name).read_text()) == deepspeed_config(stage)
+
+
+def test_every_page_is_linked_from_the_index():
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = [page.relative_to(ROOT / "docs").as_posix() for page in PAGES[1:] if page.name != "index.md"]
+    unlinked = [page for page in pages if f"]({page})" not in index and f"]({page}#" not in index]
+    assert not unlinked, f"docs/index.md links no {unlinked}"
+    assert "](docs/quickstart.md)" in (ROOT / "README.md").read_text()
+
+
+def test_the_patch_page_names_every_concern_and_what_it_wraps():
+    """docs/patches.md has a row per concern of ``patch()``, naming every symbol the concern wraps."""
+    import importlib
+
+    from pyvene_dist import patches
+
+    rows: dict[str, str] = {}
+    for line in (ROOT / "docs" / "patches.md").read_text().splitlines():
+        found = re.match(r"\| `(\w+)`( \(cont\.\))? \|", line)
+        if found:
+            rows[found.group(1)] = rows.get(found.group(1), "") + line
+    for concern in patches.CONCERNS:
+        assert concern in rows, f"docs/patches.md has no row for the concern {concern!r}"
+        sites = importlib.import_module(f"{patches.__name__}.{concern}").SITES
+        unnamed = [site for site in sites if site.rsplit(":", 1)[-1].split(".")[-1] not in rows[concern]]
+        assert not unnamed, f"docs/patches.md's row for {concern!r} does not name {unnamed}"
