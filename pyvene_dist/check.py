@@ -105,7 +105,7 @@ class Row:
     grad: float | None = None
     weight: float | None = None
     peak_memory_bytes: int = 0
-    memory: str = ""  # what peak_memory_bytes measures (see peak_memory)
+    memory: str = ""  # what peak_memory_bytes measures: CUDA_MEMORY or CPU_MEMORY
     seconds: float = 0.0
     detail: str = ""
 

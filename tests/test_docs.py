@@ -339,6 +339,9 @@ def test_a_complete_python_example_runs(block, tmp_path):
         if program.name.startswith("test_") else [sys.executable, str(program)]
     result = subprocess.run(command, cwd=tmp_path, env=TEST_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"the example at {block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    if program.name.startswith("test_"):
+        summary = result.stdout.strip().splitlines()[-1]
+        assert " passed" in summary and "skipped" not in summary, f"the example at {block.where}: {summary}"
 
 
 def test_the_fragment_rule_tells_programs_from_fragments():
