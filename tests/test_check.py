@@ -107,6 +107,19 @@ def test_gpu_only_strategies_are_listed_once_with_their_reason(monkeypatch):
     assert check.STRATEGIES["device_map"](2) == "needs 2 GPUs, found 0"
 
 
+def test_a_missing_package_is_the_reason(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in ("deepspeed", "accelerate") else find_spec(name, *args))
+    monkeypatch.setattr(check, "gpu_count", lambda: 2)
+    names = ("zero2", "zero3-offload", "accelerate", "device_map", "ddp")
+    reasons = {name: check.STRATEGIES[name](2) for name in names}
+    assert reasons == {"zero2": "deepspeed not installed", "zero3-offload": "deepspeed not installed",
+                       "accelerate": "accelerate not installed", "device_map": "accelerate not installed", "ddp": None}
+
+
 @pytest.mark.parametrize("strategies, sizes, gpus, message", [
     (["ddp", "bogus"], [2], 0, "unknown strategy bogus; known: ddp, "),
     (["ddp"], [2, 4], 2, "--world-sizes 4: this machine has 2 GPUs (one rank per GPU)"),

@@ -188,7 +188,8 @@ def shell_commands(block: Block) -> list[tuple[str, str]]:
         text = pending + line
         parts = [text] if pending.strip() and re.match(r"(for|while|until|if|case)\b", pending.strip()) \
             else _split(text)
-        commands.extend((f"{_shown(block.page)}:{first_line}", " ".join(part.split())) for part in parts if part.strip())
+        where = f"{_shown(block.page)}:{first_line}"
+        commands.extend((where, " ".join(part.split())) for part in parts if part.strip())
         pending, depth = "", 0
     return commands
 
@@ -338,7 +339,8 @@ def test_a_complete_python_example_runs(block, tmp_path):
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(program)] \
         if program.name.startswith("test_") else [sys.executable, str(program)]
     result = subprocess.run(command, cwd=tmp_path, env=TEST_ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"the example at {block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (f"the example at {block.where} failed:\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-3000:]}")
     if program.name.startswith("test_"):
         summary = result.stdout.strip().splitlines()[-1]
         assert " passed" in summary and "skipped" not in summary, f"the example at {block.where}: {summary}"
@@ -357,7 +359,8 @@ def test_the_command_reader_finds_what_a_reader_would_type(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```bash\nbash a.sh && b --x 1    # both\nc \\\n  --y 2\n```\n"
                     "```console\n$ d --z; e\noutput line\n```\n```python\nnot_a_command\n```\n"
-                    "```sh\nf -c \"import a; print(1)\" # x  # comment\nfor x in $(ls); do\n  echo $x || break\ndone\n```\n")
+                    "```sh\nf -c \"import a; print(1)\" # x  # comment\n"
+                    "for x in $(ls); do\n  echo $x || break\ndone\n```\n")
     found = [found for block in blocks(page) if block.language in SHELL for found in shell_commands(block)]
     assert found == [(f"{page}:2", "bash a.sh"), (f"{page}:2", "b --x 1"), (f"{page}:3", "c --y 2"),
                      (f"{page}:7", "d --z"), (f"{page}:7", "e"), (f"{page}:14", 'f -c "import a; print(1)"'),

@@ -21,7 +21,9 @@ from . import models
 from .parity import ParityCase, Record, _loss, intervention_grads, intervention_weights
 
 #: Files whose presence means a local model directory holds weights (else it is built from its config).
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
 
 
 def model_config(path: str | Path):
