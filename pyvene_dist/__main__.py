@@ -59,16 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser().parse_args(argv)
     from . import check, patch
 
+    progress = check.Progress(sys.stderr)
     try:
         world_sizes = arguments.world_sizes or check.default_world_sizes()
         check.validate(arguments.strategies, world_sizes)
         case = _case(arguments, world_sizes)
-        progress = check.Progress(sys.stderr)
         print(check.describe(case), file=sys.stderr, flush=True)
         with contextlib.redirect_stdout(sys.stderr):  # pyvene prints on import; stdout is the table's, or the JSON's
             patch()
             rows = check.run(case, arguments.strategies, world_sizes, progress=progress)
     except check.UsageError as error:
+        progress.close()
         print(f"pyvene-dist: {error}", file=sys.stderr)
         return 2
     print(check.to_json(rows) if arguments.json else check.table(rows))

@@ -302,7 +302,7 @@ class Progress:
 
     def __init__(self, stream=sys.stderr):
         self.stream, self.started = stream, time.monotonic()
-        self.tty = stream.isatty()
+        self.tty, self.line_open = stream.isatty(), False
 
     def __call__(self, done: int, total: int, label: str) -> None:
         elapsed = f"{time.monotonic() - self.started:.0f} s"
@@ -310,6 +310,13 @@ class Progress:
             bar = "#" * (20 * done // total) + "-" * (20 - 20 * done // total)
             end = "\n" if done == total else ""
             self.stream.write(f"\r\033[K[{bar}] {done}/{total} {elapsed} {label}{end}")
+            self.line_open = done != total
         else:
             self.stream.write(f"[{done}/{total}] {elapsed} {label}\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line, so that what follows (an error) starts on its own."""
+        if self.line_open:
+            self.stream.write("\n")
+            self.line_open = False

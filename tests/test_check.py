@@ -155,6 +155,20 @@ def test_a_differing_strategy_exits_1_and_prints_why(monkeypatch, capsys):
     assert main(["check", "--strategies", "ddp,fsdp2"]) == 0
 
 
+def test_progress_on_a_terminal_is_one_bar_ended_before_an_error():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = check.Progress(stream)
+    progress(1, 4, "ddp x2")
+    progress.close()
+    assert stream.getvalue().startswith("\r\033[K[#####---------------] 1/4 ") and stream.getvalue().endswith(" ddp x2\n")
+
+
 def test_progress_is_one_line_per_step_off_a_terminal(tmp_path):
     with open(tmp_path / "log", "w") as stream:
         progress = check.Progress(stream)
@@ -163,6 +177,22 @@ def test_progress_is_one_line_per_step_off_a_terminal(tmp_path):
     lines = (tmp_path / "log").read_text().splitlines()
     assert [line.split(" ", 1)[0] for line in lines] == ["[0/2]", "[2/2]"]
     assert lines[0].endswith("single (reference)")
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_or_disagrees_is_reported_with_why(patched):
+    import dataclasses
+
+    case = CheckCase(steps=2)
+    reference = train(case, "single")
+    failed = check._run_one(case, "no-such-strategy", 1, reference)
+    assert failed.verdict == "failed" and "--- rank 0: failed" in failed.detail, failed
+    assert "ValueError: strategy 'no-such-strategy' is not one of" in failed.detail, failed.detail
+
+    shifted = dataclasses.replace(reference, losses=[loss + 1.0 for loss in reference.losses])
+    differs = check._run_one(case, "ddp", 1, shifted)
+    assert differs.verdict == "differs" and "per-step loss" in differs.detail, differs
+    assert 0.99 < differs.loss < 1.01 and differs.grad < 1e-5, differs
 
 
 # --- the command ------------------------------------------------------------------------------------------
