@@ -166,7 +166,8 @@ def test_progress_on_a_terminal_is_one_bar_ended_before_an_error():
     progress = check.Progress(stream)
     progress(1, 4, "ddp x2")
     progress.close()
-    assert stream.getvalue().startswith("\r\033[K[#####---------------] 1/4 ") and stream.getvalue().endswith(" ddp x2\n")
+    written = stream.getvalue()
+    assert written.startswith("\r\033[K[#####---------------] 1/4 ") and written.endswith(" ddp x2\n"), written
 
 
 def test_progress_is_one_line_per_step_off_a_terminal(tmp_path):
