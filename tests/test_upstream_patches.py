@@ -8,6 +8,7 @@ diff, and applies only the runtime-only concerns for torch's DDP and FSDP setup 
 ``helpers.patch_upstream``). Against unpatched copies the same selection fails (docs/upstreaming.md).
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -19,9 +20,11 @@ import wrapt
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "upstream_patches.py"
 
-#: One process, DDP, FSDP2, ZeRO-2/3, gradient checkpointing, checkpoints, device_map offload.
+#: One process, DDP, FSDP2, ZeRO-2/3, gradient checkpointing, checkpoints, device_map offload, and
+#: DataParallel's replicas in threads (the GPU cases of these files skip on CPU).
 SUITE = [
     "tests/test_parameters.py",
+    "tests/test_data_parallel.py",
     "tests/test_train_mode.py",
     "tests/test_hooks.py",
     "tests/test_devices.py",
@@ -46,6 +49,14 @@ SUITE = [
 ]
 
 
+def script():
+    """scripts/upstream_patches.py as a module."""
+    spec = importlib.util.spec_from_file_location("upstream_patches", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build(dest: Path, *extra: str) -> Path:
     result = subprocess.run([sys.executable, str(SCRIPT), "apply", str(dest), *extra], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -60,11 +71,7 @@ def upstream_env(copies: Path) -> dict:
 def test_every_concern_has_a_diff_or_a_reason():
     from pyvene_dist import patches
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import upstream_patches
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    upstream_patches = script()
     unclassified = [c for c in patches.CONCERNS if c not in patches.UPSTREAM and c not in patches.RUNTIME_ONLY]
     assert not unclassified, (
         f"{unclassified}: add patches/<package>/<concern>.diff (and list it in patches.UPSTREAM), or name it in "
@@ -161,3 +168,13 @@ def test_series_applies_with_no_fuzz_offset_or_reject(tmp_path, package):
 
     expected = sorted(c for c, packages in patches.UPSTREAM.items() if package in packages)
     assert fixes.stdout.splitlines()[-1] == str(expected), fixes.stderr
+
+
+def test_the_note_lists_each_diff_with_its_size():
+    upstream_patches = script()
+    note = (ROOT / "docs" / "upstreaming.md").read_text()
+    for package in upstream_patches.PACKAGES:
+        for diff in upstream_patches.series(package):
+            text = diff.read_text()
+            row = f"| {package} | `{diff.name}` | {len(text.splitlines())} | {len(text.encode())} |"
+            assert row in note, f"docs/upstreaming.md lacks the row {row!r} (lines, bytes of the diff as it is now)"
