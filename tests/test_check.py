@@ -262,6 +262,7 @@ def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message):
 def test_every_strategy_agrees_on_gpus():
     """The 2-GPU table: `pytest tests/test_check.py -k gpus -s` prints it."""
     result = cli("--json")
+    assert result.stdout.strip(), f"exit code {result.returncode}, no rows:\n{result.stderr[-5000:]}"
     rows = [check.Row(**row) for row in json.loads(result.stdout)]
     print(check.table(rows))
     assert result.returncode == 0, result.stderr[-5000:]

@@ -316,7 +316,10 @@ def _gpu_marked(source: str, test: str, gpus: int, any_count: bool = False) -> b
 @pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(RUN_HERE))
 def test_the_command_runs_here(command, tmp_path):
-    result = subprocess.run(command, shell=True, cwd=ROOT, env=TEST_ENV, capture_output=True, text=True, timeout=600)
+    from pyvene_dist.testing.launch import free_port
+
+    env = {**TEST_ENV, "PET_MASTER_PORT": str(free_port())}  # torchrun's --master_port, so runs never collide
+    result = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == RUN_HERE[command], (
         f"{command!r} exited {result.returncode}, expected {RUN_HERE[command]}:\n{result.stdout[-3000:]}\n"
         f"{result.stderr[-5000:]}")
