@@ -27,6 +27,11 @@
    traversal every step. Every parameter of a ReFT model that trains is used in every forward, so for
    pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
 
+6. ``compute_loss`` turns the collated ``intervention_locations``, already on the GPU, into lists with
+   ``.permute(1, 0, 2).tolist()``: a device-to-host copy that stalls every step (see ``patches.locations``).
+   ``compute_loss`` now sees them through ``DeviceLocations``, which answers that call with the permuted
+   tensor itself; pyvene_dist's gather and scatter index with it on the device. The loss code is pyreft's.
+
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+
+import torch
 
 from ._models import holds_intervenable_model
 
@@ -59,8 +66,8 @@ def patch(registry) -> None:
 
 
 def _patch_pyreft(registry, module) -> None:
-    registry.wrap(module.ReftTrainer, "compute_loss", _wrap_declared_keywords_only)
-    registry.wrap(module.ReftTrainerForSequenceClassification, "compute_loss", _wrap_declared_keywords_only)
+    registry.wrap(module.ReftTrainer, "compute_loss", _wrap_compute_loss)
+    registry.wrap(module.ReftTrainerForSequenceClassification, "compute_loss", _wrap_compute_loss)
     registry.wrap(module.ReftTrainerForCausalLM, "get_train_dataloader", _wrap_trainers_train_dataloader)
     registry.wrap(module.ReftTrainerForCausalLMDistributed, "get_train_dataloader", _wrap_trainers_train_dataloader)
     registry.wrap(module.ReftTrainerForSequenceClassification, "evaluate", _wrap_evaluate)
@@ -71,11 +78,38 @@ def _patch_transformers(registry, module) -> None:
     registry.wrap(module.Trainer, "create_accelerator_and_postprocess", _wrap_create_accelerator)
 
 
-def _wrap_declared_keywords_only(wrapped, instance, args, kwargs):
+def _wrap_compute_loss(wrapped, instance, args, kwargs):
     parameters = inspect.signature(wrapped).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
-    return wrapped(*args, **kwargs)
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    inputs = bound.arguments.get("inputs")
+    locations = inputs.get("intervention_locations") if isinstance(inputs, dict) else None
+    if isinstance(locations, torch.Tensor) and locations.dim() == 3:
+        bound.arguments["inputs"] = {**inputs, "intervention_locations": DeviceLocations(locations)}
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+class DeviceLocations:
+    """What pyreft's ``compute_loss`` reads of the collated locations, answered with tensors:
+    ``.dim()``, and ``.permute(...).tolist()`` returning the permuted tensor instead of lists."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def dim(self) -> int:
+        return self.tensor.dim()
+
+    def permute(self, *dims) -> "_Listed":
+        return _Listed(self.tensor.permute(*dims))
+
+
+class _Listed:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def tolist(self) -> torch.Tensor:
+        return self.tensor
 
 
 def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
@@ -119,7 +153,7 @@ def _evaluate_sequence_classification(trainer, eval_dataset=None, ignore_keys=No
     with torch.no_grad():
         for inputs in dataloader:
             inputs = trainer._prepare_inputs(inputs)
-            locations = inputs["intervention_locations"].permute(1, 0, 2).tolist()
+            locations = inputs["intervention_locations"].permute(1, 0, 2)  # a tensor: see patches.locations
             _, outputs = model(
                 {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
                 unit_locations={"sources->base": (None, locations)},

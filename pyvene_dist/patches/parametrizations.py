@@ -1,0 +1,57 @@
+"""An intervention's parametrized weight is computed once per application, not once per read.
+
+LoReFT keeps its rotation orthogonal with ``torch.nn.utils.parametrizations.orthogonal``: every read
+of ``rotate_layer.weight`` recomputes a Householder product from the raw matrix (``tril``, a norm, a
+``householder_product`` of several kernels, a sign fix), and its backward is longer still.
+``LoreftIntervention.forward`` reads the weight twice and ``LowRankRotateLayer`` once more, so a
+four-intervention forward builds twelve rotations where four would do, and backward walks twelve
+Householder graphs, each a few dozen kernel launches, in a step that is bound by launching kernels.
+
+The fix runs pyvene's ``do_intervention`` (one intervention applied once) inside
+``torch.nn.utils.parametrize.cached()``, the context PyTorch provides for this: the first read computes
+the weight, later reads in the same application reuse it; a recomputation under gradient checkpointing
+goes through ``do_intervention`` again and builds the same graph. Forward outputs are bit-identical
+(the same arithmetic, once); gradients reach the raw matrix through one Householder backward instead of
+three whose results are summed, so they agree to rounding (fp32: relative 1e-6 in tests), not bit for bit. The weights are read afresh on every call,
+so an optimizer step between forwards is always seen.
+
+PyTorch keeps that cache in module globals: a counter of open contexts and one dict keyed by module.
+Applications also run off the main thread (``nn.DataParallel`` replicas; checkpointed recomputation on
+the autograd engine's device thread, which must build the graph the forward built), so entering and
+leaving the context is serialised by a lock; the keys of different replicas are different modules.
+
+Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
+"""
+
+from __future__ import annotations
+
+import threading
+
+SITES = (
+    "pyvene.models.modeling_utils:do_intervention",
+    "pyvene.models.intervenable_base:do_intervention",
+)
+
+
+def patch(registry) -> None:
+    from pyvene.models import intervenable_base, modeling_utils
+
+    for module in (modeling_utils, intervenable_base):  # intervenable_base star-imports it
+        registry.wrap(module, "do_intervention", _wrap_with_cached_parametrizations)
+
+
+_lock = threading.Lock()
+
+
+def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
+    from torch.nn.utils import parametrize
+
+    context = parametrize.cached()
+    with _lock:
+        context.__enter__()
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        with _lock:
+            context.__exit__(None, None, None)
+

@@ -1,0 +1,200 @@
+"""The fast intervention path (patches.devices, .locations, .parametrizations, .trainer item 6) gives
+pyvene's results, and no longer waits for the GPU.
+
+Identity is checked against the unpatched code on the same model object: outputs bit for bit,
+gradients to fp32 rounding (one Householder backward instead of three, see patches.parametrizations).
+"""
+
+import pytest
+import torch
+
+import helpers
+import pyvene_dist
+from pyvene_dist.testing import models
+
+B, S = 3, 9
+
+
+def _reft(seed=0, layers=(0, 1), component="block_output"):
+    return models.reft_model(models.tiny_llama(seed=seed), layers=layers, component=component, seed=seed + 1)
+
+
+def _forward_and_grads(reft, ids, unit_locations):
+    for parameter in reft.interventions.parameters():
+        parameter.grad = None
+    _, out = reft({"input_ids": ids}, unit_locations=unit_locations, labels=ids)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in reft.interventions.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+LOCATION_FORMS = {
+    "lists": lambda locations: {"sources->base": (None, locations.tolist())},
+    "tensor": lambda locations: {"sources->base": (None, locations)},
+    "broadcast int": lambda locations: {"base": 3},
+    "broadcast list": lambda locations: {"base": [1, 5]},
+}
+
+
+@pytest.mark.parametrize("form", LOCATION_FORMS)
+def test_patched_reft_matches_unpatched_pyvene(form):
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = torch.randint(S, (2, B, 3), generator=torch.Generator().manual_seed(1))
+    reft = _reft()
+    reft.train()
+    stock_locations = LOCATION_FORMS["lists" if form == "tensor" else form](locations)  # stock takes no tensors
+    logits, loss, grads = _forward_and_grads(reft, ids, stock_locations)
+    with pyvene_dist.patched():
+        fast_logits, fast_loss, fast_grads = _forward_and_grads(reft, ids, LOCATION_FORMS[form](locations))
+    assert torch.equal(fast_logits, logits) and torch.equal(fast_loss, loss)
+    assert fast_grads.keys() == grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(fast_grads[name], grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_head_and_position_units_match_unpatched_pyvene():
+    """``h.pos`` interchange on attention heads of GPT-2: the nested (heads, positions) locations."""
+    import pyvene as pv
+
+    base_model = models.tiny_gpt2()
+    config = pv.IntervenableConfig(
+        [{"layer": 1, "component": "head_attention_value_output", "unit": "h.pos"}],
+        intervention_types=pv.VanillaIntervention,
+    )
+    model = pv.IntervenableModel(config, base_model)
+    generator = torch.Generator().manual_seed(0)
+    base, source = (torch.randint(models.VOCAB_SIZE, (2, 6), generator=generator) for _ in range(2))
+    heads, positions = [[1, 3], [0, 2]], [[4, 5], [0, 3]]
+    locations = {"sources->base": ([(heads, positions)], [(heads, positions)])}
+    _, stock = model({"input_ids": base}, [{"input_ids": source}], unit_locations=locations)
+    with pyvene_dist.patched():
+        _, fast = model({"input_ids": base}, [{"input_ids": source}], unit_locations=locations)
+    _, plain = model({"input_ids": base}, [{"input_ids": base}], unit_locations=locations)
+    assert not torch.equal(stock.logits, plain.logits)  # the interchange does something here
+    assert torch.equal(fast.logits, stock.logits)
+
+
+def test_rotation_is_computed_once_per_intervention_per_forward(patched):
+    reft = _reft(layers=(0, 1))
+    calls = []
+    for intervention in reft.interventions.values():
+        orthogonal = intervention.rotate_layer.parametrizations.weight[0]
+        orthogonal.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(models.VOCAB_SIZE, (B, S))
+    reft({"input_ids": ids}, unit_locations={"base": 2}, labels=ids)
+    assert len(calls) == 2, f"{len(calls)} rotations built for 2 interventions (LoReFT reads its weight 3 times)"
+    reft({"input_ids": ids}, unit_locations={"base": 2}, labels=ids)
+    assert len(calls) == 4, "a second call must build the rotations afresh (the weights may have changed)"
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_checkpointed_training_on_a_gpu_matches_training_without(attention):
+    """On a GPU, backward (and so the recomputation of checkpointed layers, interventions included) runs
+    on the autograd engine's device thread: the rotation must be built there as in the forward, or
+    non-reentrant checkpointing raises ``CheckpointError: Recomputed values ... different metadata``."""
+    helpers.patch()
+    try:
+        results = []
+        for checkpointing in (False, True):
+            reft = _reft(layers=(0, 1))
+            reft.model.config._attn_implementation = attention
+            if checkpointing:
+                reft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            reft.set_device("cuda:0")
+            reft.train()
+            ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0)).cuda()
+            results.append(_forward_and_grads(reft, ids, {"base": 2}))
+        (logits, loss, grads), (ckpt_logits, ckpt_loss, ckpt_grads) = results
+        torch.testing.assert_close(ckpt_loss, loss, rtol=1e-5, atol=0)
+        for name in grads:
+            torch.testing.assert_close(ckpt_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        pyvene_dist.unpatch()
+
+
+class _NoLists(torch.Tensor):
+    """A tensor that refuses to become lists, as a stand-in for a GPU tensor whose .tolist() stalls the host."""
+
+    def tolist(self):
+        raise AssertionError("intervention_locations were copied to the host with .tolist()")
+
+
+@pytest.mark.parametrize("trainer_class", ["ReftTrainer", "ReftTrainerForSequenceClassification"])
+def test_pyreft_trainers_pass_collated_locations_as_tensors(patched, trainer_class):
+    pyreft = models.import_pyreft()
+    classifier = trainer_class == "ReftTrainerForSequenceClassification"
+    base = models.tiny_llama_classifier() if classifier else models.tiny_llama()
+    reft = models.reft_model(base, layers=(0, 1))
+    trainer = object.__new__(getattr(pyreft, trainer_class))  # compute_loss reads only trainer.model
+    trainer.model = reft
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = torch.randint(S, (B, 2, 3), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(models.NUM_LABELS, (B,)) if classifier else ids
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    loss = trainer.compute_loss(reft, {**batch, "intervention_locations": locations.as_subclass(_NoLists)})
+    with _unpatched():
+        stock = trainer.compute_loss(reft, {**batch, "intervention_locations": locations})
+    assert torch.equal(loss.as_subclass(torch.Tensor), stock)
+
+
+def _unpatched():
+    import contextlib
+
+    @contextlib.contextmanager
+    def context():
+        pyvene_dist.unpatch()
+        try:
+            yield
+        finally:
+            helpers.patch()
+
+    return context()
+
+
+@pytest.mark.gpus(1)
+def test_steady_state_step_never_waits_for_the_gpu():
+    """The training step pyreft's trainer runs (locations collated on the GPU) and a no-grad forward
+    with host lists make no host-device synchronisation once warm, in pyvene, pyreft or pyvene_dist.
+    (transformers syncs once itself, to see that an all-ones attention mask can be skipped.)"""
+    import os
+    import traceback
+    import warnings
+    pyreft = models.import_pyreft()
+    with pyvene_dist.patched():
+        device = torch.device("cuda:0")
+        reft = _reft(layers=(0, 1))
+        reft.set_device(device)
+        optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-3)
+        trainer = object.__new__(pyreft.ReftTrainer)
+        ids = torch.randint(models.VOCAB_SIZE, (B, S), device=device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+                 "intervention_locations": torch.randint(S, (B, 2, 3), device=device)}
+        listed = {"sources->base": (None, [[[1, 2]] * B] * 2)}
+
+        def step():
+            trainer.compute_loss(reft, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                reft({"input_ids": ids}, unit_locations=listed)
+
+        step()
+        torch.cuda.synchronize()
+        ours = []
+
+        def keep(message, *_, **__):
+            frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+            innermost = next(f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename)
+            if any(f"{os.sep}{name}{os.sep}" in innermost.filename for name in ("pyvene", "pyreft", "pyvene_dist")):
+                ours.append(f"{innermost.filename}:{innermost.lineno} {innermost.line}")
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = keep
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert not ours, "host-device syncs:\n" + "\n".join(ours)
