@@ -40,6 +40,8 @@ class Run:
     dtype: str
     checkpointing: str = "none"
     component: str = "block_output"
+    attention: str = "sdpa"
+    zero: str = ""  # JSON merged into DeepSpeed's zero_optimization
 
 
 def rank_main(run: Run, out: str) -> None:
@@ -48,7 +50,7 @@ def rank_main(run: Run, out: str) -> None:
     import pyvene_dist
     from pyvene_dist.optim import param_groups
     from pyvene_dist.testing import ParityCase, STRATEGIES
-    from pyvene_dist.testing.parity import _loss, parameter_bytes
+    from pyvene_dist.testing.parity import DeepSpeed, _loss, parameter_bytes
 
     pyvene_dist.patch()
     case = ParityCase(model=run.model, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
@@ -56,7 +58,11 @@ def rank_main(run: Run, out: str) -> None:
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
                       checkpointing=None if run.checkpointing == "none" else run.checkpointing)
     strategy = STRATEGIES[run.strategy]()
-    model = case.build().to(strategy.device)
+    if isinstance(strategy, DeepSpeed) and run.zero:
+        strategy.zero.update(json.loads(run.zero))
+    with torch.device(strategy.device):  # random weights made where they are used: faster than on the host
+        model = case.build().to(strategy.device)
+    model.model.config._attn_implementation = run.attention  # read at every forward
     model.train()
     optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-4)
     wrapped, optimizer = strategy.prepare(model, optimizer, case)
@@ -117,6 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--checkpointing", default="none", help="comma-separated: none, reentrant, non-reentrant")
     parser.add_argument("--component", default="block_output")
+    parser.add_argument("--attention", default="sdpa", help="eager, sdpa, ... (the parity tests use eager)")
+    parser.add_argument("--zero", default="", help='JSON merged into zero_optimization, e.g. '
+                        '\'{"stage3_max_live_parameters": 5e7, "stage3_max_reuse_distance": 0}\'')
     parser.add_argument("--out", default="benchmarks/results/scaling.jsonl")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     options = parser.parse_args(argv)
@@ -133,7 +142,8 @@ def main(argv=None) -> int:
             print(f"skip {strategy} x{world_size}: needs {world_size} GPUs", file=sys.stderr)
             continue
         run = Run(strategy, world_size, options.model, options.batch, options.seq_len, options.steps,
-                  options.warmup, options.dtype, checkpointing, options.component)
+                  options.warmup, options.dtype, checkpointing, options.component, options.attention,
+                  options.zero if strategy.startswith("zero") else "")
         with tempfile.TemporaryDirectory() as workdir:
             out = os.path.join(workdir, "row.json")
             outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),
@@ -145,7 +155,7 @@ def main(argv=None) -> int:
         with open(options.out, "a") as jsonl:
             jsonl.write(row + "\n")
         shown = json.loads(row)
-        print(f"{strategy:>14} x{world_size} checkpointing={checkpointing}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
+        print(f"{strategy:>14} x{world_size} checkpointing={checkpointing} zero={run.zero or '-'}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
               f"peak {shown['peak_memory_gib']} GiB, parameters {shown['parameter_gib']:.3f} GiB", flush=True)
     return 0
 

@@ -4,12 +4,8 @@
 # Logs and JUnit XML go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_checks.sh tests/test_data_parallel.py tests/test_ddp.py
 set -uo pipefail
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/gpu_env.sh" || exit 1
+out=$OUT
 {
   nvidia-smi -L
   python3 -c 'import torch, transformers, pyvene, pyreft; print("torch", torch.__version__, "transformers",

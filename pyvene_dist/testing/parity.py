@@ -258,12 +258,15 @@ class DeepSpeed(DDP):
     """``deepspeed.initialize`` with ZeRO ``stage``; ``offload`` puts parameters (stage 3) and optimizer on CPU.
 
     Every parameter is partitioned (``stage3_param_persistence_threshold: 0``), the interventions too.
-    Gradients and weights are read whole by ``intervention_grads``/``intervention_weights``.
+    ``zero`` entries are merged into ``zero_optimization`` (memory knobs such as
+    ``stage3_max_live_parameters``). Gradients and weights are read whole by
+    ``intervention_grads``/``intervention_weights``.
     """
 
-    def __init__(self, stage: int, offload: bool = False, device: str | torch.device | None = None):
+    def __init__(self, stage: int, offload: bool = False, device: str | torch.device | None = None,
+                 zero: dict | None = None):
         super().__init__(device)
-        self.stage, self.offload = stage, offload
+        self.stage, self.offload, self.zero = stage, offload, dict(zero or {})
         self.name = f"zero{stage}" + ("-offload" if offload else "")
         self.engine = None
 
@@ -275,6 +278,7 @@ class DeepSpeed(DDP):
             zero["offload_optimizer"] = {"device": "cpu"}
             if self.stage == 3:
                 zero["offload_param"] = {"device": "cpu"}
+        zero.update(self.zero)
         return {
             "train_micro_batch_size_per_gpu": batch_size // self.world_size,
             "gradient_accumulation_steps": 1,

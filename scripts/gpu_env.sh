@@ -1,0 +1,9 @@
+# Source on a GPU machine of the device tool: installs the carried wheels (.whl/, made by
+# ../shared/device/make-wheels.sh) and sets the environment the GPU scripts and benchmarks use.
+#   source scripts/gpu_env.sh && python3 benchmarks/overhead.py
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
