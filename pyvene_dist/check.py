@@ -91,6 +91,11 @@ STRATEGIES: dict[str, Requirement] = {
     "dataparallel": _two_gpus,  # one process over every visible GPU
     "device_map": lambda n: _accelerate(n) or _two_gpus(n),  # one process, layers split over every visible GPU
 }
+#: Strategies the parity harness runs in float32 only, and why.
+FLOAT32_ONLY = {
+    name: "bfloat16 not supported: the harness's DeepSpeed config has no bf16 section (fp32 only)"
+    for name in ("zero2", "zero3", "zero3+checkpointing", "zero3-offload")
+}
 #: Strategies run by one process spanning every visible GPU: listed once, not per world size.
 ONE_PROCESS = frozenset({"dataparallel", "device_map"})
 REFERENCE = "single"
@@ -110,7 +115,14 @@ class Row:
     detail: str = ""
 
 
-def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
+def reason(strategy: str, world_size: int, dtype: str = "float32") -> str | None:
+    """Why this machine cannot run ``strategy`` at ``world_size`` in ``dtype``; None when it can."""
+    if dtype != "float32" and strategy in FLOAT32_ONLY:
+        return FLOAT32_ONLY[strategy]
+    return STRATEGIES[strategy](world_size)
+
+
+def validate(strategies: Iterable[str], world_sizes: Iterable[int], dtype: str = "float32") -> None:
     """Raise ``UsageError`` for an unknown strategy or more ranks than this machine has devices."""
     unknown = [name for name in strategies if name not in STRATEGIES and name != REFERENCE]
     if unknown:
@@ -119,12 +131,12 @@ def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
     too_many = [size for size in world_sizes if size > devices]
     if too_many:
         raise UsageError(f"--world-sizes {','.join(map(str, too_many))}: this machine has {devices} {what}")
-    planned = [(name, size, STRATEGIES[name](size)) for name, size in plan(strategies, world_sizes)]
+    planned = [(name, size, reason(name, size, dtype)) for name, size in plan(strategies, world_sizes)]
     if not planned:
         raise UsageError(f"no strategy to compare with {REFERENCE}; known: {', '.join(STRATEGIES)}")
-    if all(reason is not None for _, _, reason in planned):
-        reasons = "; ".join(f"{name} x{size} {reason}" for name, size, reason in planned)
-        raise UsageError(f"none of the strategies asked for can run on this machine: {reasons}")
+    if all(why is not None for _, _, why in planned):
+        reasons = "; ".join(f"{name} x{size} {why}" for name, size, why in planned)
+        raise UsageError(f"none of the strategies asked for can run here: {reasons}")
 
 
 def plan(strategies: Iterable[str], world_sizes: Iterable[int]) -> list[tuple[str, int]]:
@@ -159,10 +171,10 @@ def run(case: CheckCase, strategies: Iterable[str], world_sizes: Iterable[int], 
     rows = [Row(REFERENCE, 1, "reference", peak_memory_bytes=memory, memory=label,
                 seconds=time.monotonic() - started)]
     for done, (strategy, world_size) in enumerate(steps, start=1):
-        reason = STRATEGIES[strategy](world_size)
-        progress(done, len(steps) + 1, f"{strategy} x{world_size}" + (" (unavailable)" if reason else ""))
-        if reason is not None:
-            rows.append(Row(strategy, world_size, "unavailable", detail=reason))
+        why = reason(strategy, world_size, case.dtype)
+        progress(done, len(steps) + 1, f"{strategy} x{world_size}" + (" (unavailable)" if why else ""))
+        if why is not None:
+            rows.append(Row(strategy, world_size, "unavailable", detail=why))
             continue
         rows.append(_run_one(case, strategy, world_size, reference))
     progress(len(steps) + 1, len(steps) + 1, "done")

@@ -120,11 +120,21 @@ def test_a_missing_package_is_the_reason(monkeypatch):
                        "accelerate": "accelerate not installed", "device_map": "accelerate not installed", "ddp": None}
 
 
+def test_zero_in_bfloat16_is_listed_as_unsupported_not_run(monkeypatch):
+    monkeypatch.setattr(check, "gpu_count", lambda: 0)
+    expected = "bfloat16 not supported: the harness's DeepSpeed config has no bf16 section (fp32 only)"
+    assert check.reason("zero2", 2, "bfloat16") == expected
+    assert check.reason("zero2", 2, "float32") is None and check.reason("ddp", 2, "bfloat16") is None
+    with pytest.raises(check.UsageError, match="none of the strategies asked for can run here: zero3 x2 "
+                                               "bfloat16 not supported"):
+        check.validate(["zero3"], [2], "bfloat16")
+
+
 @pytest.mark.parametrize("strategies, sizes, gpus, message", [
     (["ddp", "bogus"], [2], 0, "unknown strategy bogus; known: ddp, "),
     (["ddp"], [2, 4], 2, "--world-sizes 4: this machine has 2 GPUs (one rank per GPU)"),
     (["ddp"], [MORE_RANKS_THAN_ANY_MACHINE], 0, f"--world-sizes {MORE_RANKS_THAN_ANY_MACHINE}: this machine has "),
-    (["fsdp1"], [2], 0, "none of the strategies asked for can run on this machine: fsdp1 x2 needs 2 GPUs, found 0"),
+    (["fsdp1"], [2], 0, "none of the strategies asked for can run here: fsdp1 x2 needs 2 GPUs, found 0"),
     (["single"], [2], 0, "no strategy to compare with single"),
 ])
 def test_usage_mistakes_are_refused_before_anything_runs(monkeypatch, strategies, sizes, gpus, message):
