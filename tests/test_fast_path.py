@@ -113,6 +113,45 @@ def test_checkpointed_training_on_a_gpu_matches_training_without(attention):
         pyvene_dist.unpatch()
 
 
+def test_data_parallel_replicas_build_their_own_rotation():
+    """PyTorch's parametrization cache is keyed by the module the parametrization was registered on,
+    and replicas share its class: two replicas applied at the same time must each use their own weight
+    (on GPUs they live on different devices; here their weights differ)."""
+    import copy
+    import threading
+
+    from pyvene.models import modeling_utils
+
+    reft = _reft(layers=(0,))
+    original = next(iter(reft.interventions.values()))
+    replicas = [copy.deepcopy(original) for _ in range(2)]
+    with torch.no_grad():
+        replicas[1].rotate_layer.parametrizations.weight.original.mul_(-1)
+    base = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    expected = [modeling_utils.do_intervention(base, None, replica, None) for replica in replicas]  # unpatched
+    barrier = threading.Barrier(2, timeout=30)
+    for replica in replicas:
+        replica._is_replica = True  # as torch.nn.parallel.replicate marks them
+        replica.learned_source.register_forward_pre_hook(lambda *_: [barrier.wait()] and None)  # both mid-way
+    outputs = [None, None]
+
+    def apply(i):
+        outputs[i] = modeling_utils.do_intervention(base, None, replicas[i], None)  # looked up once patched
+
+    helpers.patch()
+    try:
+        threads = [threading.Thread(target=apply, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        pyvene_dist.unpatch()
+    assert not torch.equal(expected[0], expected[1])
+    for i in range(2):
+        assert outputs[i] is not None and torch.equal(outputs[i], expected[i]), f"replica {i} used another's weight"
+
+
 class _NoLists(torch.Tensor):
     """A tensor that refuses to become lists, as a stand-in for a GPU tensor whose .tolist() stalls the host."""
 

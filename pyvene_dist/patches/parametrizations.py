@@ -15,10 +15,13 @@ goes through ``do_intervention`` again and builds the same graph. Forward output
 three whose results are summed, so they agree to rounding (fp32: relative 1e-6 in tests), not bit for bit. The weights are read afresh on every call,
 so an optimizer step between forwards is always seen.
 
-PyTorch keeps that cache in module globals: a counter of open contexts and one dict keyed by module.
-Applications also run off the main thread (``nn.DataParallel`` replicas; checkpointed recomputation on
-the autograd engine's device thread, which must build the graph the forward built), so entering and
-leaving the context is serialised by a lock; the keys of different replicas are different modules.
+PyTorch keeps that cache in module globals: a counter of open contexts and one dict keyed by the
+*original* module the parametrization was registered on (the key is fixed in the property it injects
+into the module's class). ``nn.DataParallel`` replicas share that class, so a replica would read
+another replica's weight, on another GPU (``Expected all tensors to be on the same device``). Replicas
+(``_is_replica``, set by torch's ``replicate``) therefore build their weights uncached, in forward and
+in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
+the autograd engine's device thread), so entering and leaving the context is serialised by a lock.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 """
@@ -46,6 +49,9 @@ _lock = threading.Lock()
 def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
     from torch.nn.utils import parametrize
 
+    intervention = args[2] if len(args) > 2 else kwargs.get("intervention")
+    if getattr(intervention, "_is_replica", False):
+        return wrapped(*args, **kwargs)
     context = parametrize.cached()
     with _lock:
         context.__enter__()
