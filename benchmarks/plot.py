@@ -18,6 +18,16 @@ def read(paths):
     return rows
 
 
+def latest(rows):
+    """The newest row of each configuration (rows differing only in timings and time are reruns)."""
+    measured = {"time", "p20_ms", "p50_ms", "p80_ms", "tokens_per_s", "peak_memory_gib", "parameter_gib", "versions",
+                "zero_optimization"}
+    newest = {}
+    for row in sorted(rows, key=lambda r: r.get("time", "")):
+        newest[json.dumps({k: v for k, v in row.items() if k not in measured}, sort_keys=True)] = row
+    return list(newest.values())
+
+
 def main(argv=None) -> int:
     import matplotlib
 
@@ -27,12 +37,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("jsonl", nargs="+")
     parser.add_argument("--out", default="docs/figures")
+    parser.add_argument("--checkpointing", default="none", help="the scaling rows to draw")
+    parser.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
+                        help="keep rows whose KEY prints as VALUE (e.g. hidden=None); repeatable")
     options = parser.parse_args(argv)
-    rows = read(options.jsonl)
+    rows = latest(read(options.jsonl))
+    for condition in options.only:
+        key, _, value = condition.partition("=")
+        rows = [row for row in rows if str(row.get(key)) == value]
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    scaling = [r for r in rows if "checkpointing" in r and r.get("checkpointing", "none") == "none"]
+    scaling = [r for r in rows if "checkpointing" in r and r.get("checkpointing", "none") == options.checkpointing]
     if scaling:
         figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
         by_strategy = defaultdict(list)
@@ -54,7 +70,8 @@ def main(argv=None) -> int:
     overhead = [r for r in rows if "measure" in r]
     if overhead:
         figure, axis = plt.subplots(figsize=(7, 4))
-        labels = [f"{r['provider']}\n{r['measure']}" for r in overhead]
+        labels = [f"{r['provider']}\n{r['measure']}" + (f" ({r['locations']})" if r.get("locations") else "")
+                  for r in overhead]
         axis.bar(labels, [r["p50_ms"] for r in overhead])
         axis.set(ylabel="ms (p50)", title="ReFT against the bare model and LoRA, one GPU")
         figure.tight_layout()

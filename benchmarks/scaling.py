@@ -41,6 +41,8 @@ class Run:
     checkpointing: str = "none"
     component: str = "block_output"
     attention: str = "sdpa"
+    hidden: int | None = None  # None: the model's own (llama-1b: 2048; 3072 with 26 layers is 2.8B parameters)
+    layers: int | None = None
     zero: str = ""  # JSON merged into DeepSpeed's zero_optimization
 
 
@@ -53,7 +55,8 @@ def rank_main(run: Run, out: str) -> None:
     from pyvene_dist.testing.parity import DeepSpeed, _loss, parameter_bytes
 
     pyvene_dist.patch()
-    case = ParityCase(model=run.model, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: ranks must not fight over host cores
+    case = ParityCase(model=run.model, hidden_size=run.hidden, num_layers=run.layers, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
                       steps=run.steps + run.warmup, dtype=run.dtype, component=run.component,
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
                       checkpointing=None if run.checkpointing == "none" else run.checkpointing)
@@ -96,6 +99,8 @@ def rank_main(run: Run, out: str) -> None:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         row["tokens_per_s"] = row["tokens_per_step"] / (row["p50_ms"] / 1000)
+        if getattr(strategy, "engine", None) is not None:  # what DeepSpeed ran with, knobs included
+            row["zero_optimization"] = strategy.engine.config["zero_optimization"]
         Path(out).write_text(json.dumps(row))
 
 
@@ -123,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--checkpointing", default="none", help="comma-separated: none, reentrant, non-reentrant")
     parser.add_argument("--component", default="block_output")
+    parser.add_argument("--hidden", type=int, help="hidden size (llama-1b: 2048)")
+    parser.add_argument("--layers", type=int, help="number of layers (llama-1b: 22)")
     parser.add_argument("--attention", default="sdpa", help="eager, sdpa, ... (the parity tests use eager)")
     parser.add_argument("--zero", default="", help='JSON merged into zero_optimization, e.g. '
                         '\'{"stage3_max_live_parameters": 5e7, "stage3_max_reuse_distance": 0}\'')
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
             continue
         run = Run(strategy, world_size, options.model, options.batch, options.seq_len, options.steps,
                   options.warmup, options.dtype, checkpointing, options.component, options.attention,
-                  options.zero if strategy.startswith("zero") else "")
+                  options.hidden, options.layers, options.zero if strategy.startswith("zero") else "")
         with tempfile.TemporaryDirectory() as workdir:
             out = os.path.join(workdir, "row.json")
             outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),

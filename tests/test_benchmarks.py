@@ -22,6 +22,17 @@ def test_scaling_smoke_writes_a_row_per_strategy_and_world_size(tmp_path):
     assert by["zero3", 2]["parameter_gib"] < by["ddp", 2]["parameter_gib"]  # ZeRO-3 really partitions
 
 
+def test_scaling_smoke_takes_deepspeed_memory_settings(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    settings = {"stage3_max_live_parameters": 3e7, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6}
+    subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--smoke", "--strategies", "zero3",
+                    "--world-sizes", "2", "--zero", json.dumps(settings), "--out", str(out)], check=True, timeout=600)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert json.loads(row["zero"]) == settings
+    ran_with = row["zero_optimization"]  # read back from the DeepSpeed engine
+    assert ran_with["stage"] == 3 and {key: ran_with[key] for key in settings} == settings
+
+
 def test_overhead_smoke_writes_every_provider(tmp_path):
     out = tmp_path / "overhead.jsonl"
     subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--smoke", "--out", str(out)],

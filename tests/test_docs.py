@@ -112,6 +112,11 @@ RUN_BY: dict[str, RunBy] = {
     "python benchmarks/scaling.py --strategies ddp,fsdp2,zero2,zero3 --world-sizes 1,2 --model llama-1b":
         RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_a_row_per_strategy_and_world_size",
               ('"--strategies", "ddp,fsdp2,zero3"',), note=BENCHMARK_NOTE),
+    "python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 2 --model llama-1b "
+    "--checkpointing non-reentrant --zero '{\"stage3_max_live_parameters\": 3e7, \"stage3_max_reuse_distance\": 0, "
+    "\"stage3_prefetch_bucket_size\": 3e7, \"reduce_bucket_size\": 5e6}'":
+        RunBy("tests/test_benchmarks.py::test_scaling_smoke_takes_deepspeed_memory_settings",
+              ('"--zero"', "stage3_max_live_parameters"), note=BENCHMARK_NOTE),
     "python benchmarks/overhead.py": RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
                                            note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --smoke":
