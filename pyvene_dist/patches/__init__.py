@@ -51,6 +51,7 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
     "checkpoints": ("pyvene", "pyreft"),
     "trainer": ("pyreft",),
     "weight_decay": ("pyreft",),
+    "locations": ("pyvene",),
 }
 #: Concerns with no upstream diff: they change what torch's wrappers do (DataParallel's scatter,
 #: DDP's and FSDP's setup), which pyvene and pyreft cannot reach. docs/upstreaming.md says why.
