@@ -24,6 +24,8 @@ CONCERNS = (
     "hooks",
     "checkpointing",
     "devices",
+    "locations",
+    "parametrizations",
     "data_parallel",
     "device_map",
     "consistency",
@@ -52,6 +54,7 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
     "trainer": ("pyreft",),
     "weight_decay": ("pyreft",),
     "locations": ("pyvene",),
+    "parametrizations": ("pyvene",),
 }
 #: Concerns with no upstream diff: they change what torch's wrappers do (DataParallel's scatter,
 #: DDP's and FSDP's setup), which pyvene and pyreft cannot reach. docs/upstreaming.md says why.
