@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from pyvene_dist.testing import ParityCase, assert_parity
+from pyvene_dist.testing import ParityCase, assert_parity, models
 from pyvene_dist.testing.hf import train_with_trainer
 
 CASE = ParityCase(steps=4)
@@ -101,6 +101,22 @@ def test_ddp_saves_once_with_whole_weights(tmp_path):
         assert len(writes) == 4  # two interventions, their states, the (empty) model file
     else:
         assert writes == []
+
+
+@pytest.mark.world_size(2, timeout=120)
+def test_distributed_causal_lm_trainer_saves_without_hanging(tmp_path):
+    """pyreft's ReftTrainerForCausalLMDistributed.save_model saves on rank 0 alone; saving waits for
+    every rank (it may gather), so rank 0 used to wait forever."""
+    import types
+
+    helpers.patch()
+    pyreft = models.import_pyreft()
+    trainer = object.__new__(pyreft.ReftTrainerForCausalLMDistributed)  # save_model reads model and args
+    trainer.model, trainer.args = CASE.build(), types.SimpleNamespace(output_dir=str(tmp_path))
+    trainer.save_model(str(tmp_path / "out"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        assert sorted(os.listdir(tmp_path / "out" / "intervenable_model"))
 
 
 @pytest.mark.world_size(2)

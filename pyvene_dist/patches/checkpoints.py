@@ -21,7 +21,9 @@ What fails today:
   state), which ``load_intervention`` prefers: the resumed run then continues exactly.
 - ``ReftTrainer.save_model`` saves on rank 0 only, which is right for whole weights and deadlocks for
   partitioned ones (ZeRO-3). Every rank now calls ``save_intervention``, which gathers what is
-  partitioned (``pyvene_dist.gather``) and writes on rank 0.
+  partitioned (``pyvene_dist.gather``) and writes on rank 0. ``ReftTrainerForCausalLMDistributed``
+  overrides ``save_model`` to call it on rank 0 alone, which then waits forever for the other ranks; it
+  now calls it on every rank too.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -43,6 +45,7 @@ SITES = (
     "pyreft.interventions:LoreftIntervention.state_dict",
     "pyreft.interventions:LoreftIntervention.load_state_dict",
     "pyreft.reft_trainer:ReftTrainer.save_model",
+    "pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model",
     f"{TRANSFORMERS}:Trainer._load_from_checkpoint",
 )
 #: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
@@ -61,11 +64,12 @@ def patch(registry) -> None:
 
 def _patch_pyreft(registry, module) -> None:
     from pyreft.interventions import LoreftIntervention
-    from pyreft.reft_trainer import ReftTrainer
+    from pyreft.reft_trainer import ReftTrainer, ReftTrainerForCausalLMDistributed
 
     registry.wrap(LoreftIntervention, "state_dict", _wrap_loreft_state_dict)
     registry.wrap(LoreftIntervention, "load_state_dict", _wrap_loreft_load_state_dict)
     registry.wrap(ReftTrainer, "save_model", _wrap_save_model)
+    registry.wrap(ReftTrainerForCausalLMDistributed, "save_model", _wrap_save_model_on_every_rank)
 
 
 def _patch_transformers(registry, module) -> None:
@@ -161,6 +165,12 @@ def _wrap_save_model(wrapped, instance, args, kwargs):
         logging.get_logger(__name__).warning(f"{target} already holds files; not overwriting them (as pyreft)")
         return
     instance.model.save_intervention(save_directory=target, include_model=True)
+
+
+def _wrap_save_model_on_every_rank(wrapped, instance, args, kwargs):
+    from pyreft.reft_trainer import ReftTrainer
+
+    return ReftTrainer.save_model(instance, *args, **kwargs)  # writes once, on rank 0, itself
 
 
 def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):
