@@ -184,24 +184,11 @@ def tracer(path: Path):
     """A function that runs ``step`` once under CUDA's sync debug mode, then three times under the
     profiler, and appends every host-device sync (with its Python stack) and the top kernels to ``path``."""
     import traceback
-    import warnings
+
+    from pyvene_dist.testing.syncs import host_device_syncs
 
     def trace(name: str, step) -> None:
-        syncs = []
-
-        def keep(message, category, filename, lineno, file=None, line=None):
-            syncs.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-2]))
-
-        torch.cuda.synchronize()
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = keep
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        syncs = ["".join(traceback.format_list(stack[-12:])) for stack in host_device_syncs(step)]
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:

@@ -197,8 +197,8 @@ def test_steady_state_step_never_waits_for_the_gpu():
     with host lists make no host-device synchronisation once warm, in pyvene, pyreft or pyvene_dist.
     (transformers syncs once itself, to see that an all-ones attention mask can be skipped.)"""
     import os
-    import traceback
-    import warnings
+
+    from pyvene_dist.testing.syncs import host_device_syncs, innermost_outside_torch
     pyreft = models.import_pyreft()
     with pyvene_dist.patched():
         device = torch.device("cuda:0")
@@ -219,21 +219,7 @@ def test_steady_state_step_never_waits_for_the_gpu():
                 reft({"input_ids": ids}, unit_locations=listed)
 
         step()
-        torch.cuda.synchronize()
-        ours = []
-
-        def keep(message, *_, **__):
-            frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
-            innermost = next(f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename)
-            if any(f"{os.sep}{name}{os.sep}" in innermost.filename for name in ("pyvene", "pyreft", "pyvene_dist")):
-                ours.append(f"{innermost.filename}:{innermost.lineno} {innermost.line}")
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = keep
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        callers = [innermost_outside_torch(stack) for stack in host_device_syncs(step)]
+        ours = [f"{frame.filename}:{frame.lineno} {frame.line}" for frame in callers
+                if any(f"{os.sep}{name}{os.sep}" in frame.filename for name in ("pyvene", "pyreft", "pyvene_dist"))]
         assert not ours, "host-device syncs:\n" + "\n".join(ours)
