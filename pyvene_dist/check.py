@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 import torch
 
 from .testing import Record, Strategy, assert_parity, differences, spawn, train
+from .testing.parity import tolerance
 from .testing.check_runs import CheckCase
 
 #: Given a world size: None when this machine can run it, else why not.
@@ -91,11 +92,6 @@ STRATEGIES: dict[str, Requirement] = {
     "dataparallel": _two_gpus,  # one process over every visible GPU
     "device_map": lambda n: _accelerate(n) or _two_gpus(n),  # one process, layers split over every visible GPU
 }
-#: Strategies the parity harness runs in float32 only, and why.
-FLOAT32_ONLY = {
-    name: "bfloat16 not supported: the harness's DeepSpeed config has no bf16 section (fp32 only)"
-    for name in ("zero2", "zero3", "zero3+checkpointing", "zero3-offload")
-}
 #: Strategies run by one process spanning every visible GPU: listed once, not per world size.
 ONE_PROCESS = frozenset({"dataparallel", "device_map"})
 REFERENCE = "single"
@@ -117,8 +113,6 @@ class Row:
 
 def reason(strategy: str, world_size: int, dtype: str = "float32") -> str | None:
     """Why this machine cannot run ``strategy`` at ``world_size`` in ``dtype``; None when it can."""
-    if dtype != "float32" and strategy in FLOAT32_ONLY:
-        return FLOAT32_ONLY[strategy]
     return STRATEGIES[strategy](world_size)
 
 
@@ -202,7 +196,7 @@ def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record)
     row = Row(strategy, world_size, "agrees", found.loss, found.grad, found.weight, saved["peak"], saved["memory"],
               seconds)
     try:
-        assert_parity(reference, candidate, case.tolerance)
+        assert_parity(reference, candidate, tolerance(case, name))
     except AssertionError as error:
         row.verdict, row.detail = "differs", str(error)
     return row

@@ -120,14 +120,16 @@ def test_a_missing_package_is_the_reason(monkeypatch):
                        "accelerate": "accelerate not installed", "device_map": "accelerate not installed", "ddp": None}
 
 
-def test_zero_in_bfloat16_is_listed_as_unsupported_not_run(monkeypatch):
+def test_zero_in_bfloat16_runs_against_deepspeeds_bf16_bound(monkeypatch):
+    """ZeRO in bf16 runs (tests/test_deepspeed.py trains it) and is judged by the 8-ulp DeepSpeed bf16 bound."""
+    from pyvene_dist.testing import ParityCase
+    from pyvene_dist.testing.parity import DEEPSPEED_BF16, TOLERANCES, tolerance
+
     monkeypatch.setattr(check, "gpu_count", lambda: 0)
-    expected = "bfloat16 not supported: the harness's DeepSpeed config has no bf16 section (fp32 only)"
-    assert check.reason("zero2", 2, "bfloat16") == expected
-    assert check.reason("zero2", 2, "float32") is None and check.reason("ddp", 2, "bfloat16") is None
-    with pytest.raises(check.UsageError, match="none of the strategies asked for can run here: zero3 x2 "
-                                               "bfloat16 not supported"):
-        check.validate(["zero3"], [2], "bfloat16")
+    assert check.reason("zero2", 2, "bfloat16") is None and check.reason("zero3", 2, "bfloat16") is None
+    bf16, fp32 = ParityCase(dtype="bfloat16"), ParityCase()
+    assert tolerance(bf16, "zero3") == DEEPSPEED_BF16 and DEEPSPEED_BF16.rtol == 2 * TOLERANCES[torch.bfloat16].rtol
+    assert tolerance(bf16, "ddp") == TOLERANCES[torch.bfloat16] and tolerance(fp32, "zero3") == TOLERANCES[torch.float32]
 
 
 @pytest.mark.parametrize("strategies, sizes, gpus, message", [

@@ -46,6 +46,18 @@ TOLERANCES = {
         4 * 2**-8, "bf16: 4 ulps of an 8-bit significand (3 roundings of half an ulp, plus cancellation); measured 1.4"
     ),
 }
+#: DeepSpeed's bf16 mode is not plain bf16: the engine casts LoReFT's rotation (pyreft keeps it in
+#: float32) to bf16 and steps float32 master copies of the trainable weights. Each side stays within
+#: the bf16 bound of 4 ulps, rounding differently, so they agree within 8 (measured on CPU after 3
+#: steps: loss 5e-5, gradients 1.8e-2, weights 1.0e-2 relative).
+DEEPSPEED_BF16 = Tolerance(8 * 2**-8, "DeepSpeed bf16 (bf16 rotation, fp32 master weights) against plain bf16: 8 ulps")
+
+
+def tolerance(case: "ParityCase", strategy: str) -> Tolerance:
+    """The bound for ``strategy`` against one plain device: the dtype's, or DeepSpeed's bf16 one."""
+    if case.torch_dtype == torch.bfloat16 and strategy.startswith("zero"):
+        return DEEPSPEED_BF16
+    return case.tolerance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +302,10 @@ class DeepSpeed(DDP):
     def prepare(self, model, optimizer, case):
         import deepspeed
 
-        self.engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.config(case.batch_size)
-        )
+        config = self.config(case.batch_size)
+        if case.torch_dtype == torch.bfloat16:
+            config["bf16"] = {"enabled": True}  # DeepSpeed's bf16: bf16 weights, fp32 master copies to step
+        self.engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return self.engine, optimizer
 
     def backward(self, loss):
