@@ -48,3 +48,8 @@ arguments = TrainingArguments(
 )
 trainer = pyreft.ReftTrainer(model=reft_model, args=arguments, train_dataset=examples)
 trainer.train()
+
+# Leave the process group HF Trainer joined under torchrun before the interpreter exits: gloo's threads
+# otherwise outlive it ("terminate called without an active exception").
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
