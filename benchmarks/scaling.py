@@ -56,8 +56,9 @@ def rank_main(run: Run, out: str) -> None:
 
     pyvene_dist.patch()
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: ranks must not fight over host cores
-    case = ParityCase(model=run.model, hidden_size=run.hidden, num_layers=run.layers, batch_size=run.batch * run.world_size, seq_len=run.seq_len,
-                      steps=run.steps + run.warmup, dtype=run.dtype, component=run.component,
+    case = ParityCase(model=run.model, hidden_size=run.hidden, num_layers=run.layers,
+                      batch_size=run.batch * run.world_size, seq_len=run.seq_len, steps=run.steps + run.warmup,
+                      dtype=run.dtype, component=run.component,
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
                       checkpointing=None if run.checkpointing == "none" else run.checkpointing)
     strategy = STRATEGIES[run.strategy]()
@@ -162,8 +163,9 @@ def main(argv=None) -> int:
         with open(options.out, "a") as jsonl:
             jsonl.write(row + "\n")
         shown = json.loads(row)
-        print(f"{strategy:>14} x{world_size} checkpointing={checkpointing} zero={run.zero or '-'}: p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, "
-              f"peak {shown['peak_memory_gib']} GiB, parameters {shown['parameter_gib']:.3f} GiB", flush=True)
+        print(f"{strategy:>14} x{world_size} checkpointing={checkpointing} zero={run.zero or '-'}: "
+              f"p50 {shown['p50_ms']:.1f} ms, {shown['tokens_per_s']:.0f} tok/s, peak {shown['peak_memory_gib']} GiB, "
+              f"parameters {shown['parameter_gib']:.3f} GiB", flush=True)
     return 0
 
 

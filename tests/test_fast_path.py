@@ -5,6 +5,8 @@ Identity is checked against the unpatched code on the same model object: outputs
 gradients to fp32 rounding (one Householder backward instead of three, see patches.parametrizations).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -177,18 +179,13 @@ def test_pyreft_trainers_pass_collated_locations_as_tensors(patched, trainer_cla
     assert torch.equal(loss.as_subclass(torch.Tensor), stock)
 
 
+@contextlib.contextmanager
 def _unpatched():
-    import contextlib
-
-    @contextlib.contextmanager
-    def context():
-        pyvene_dist.unpatch()
-        try:
-            yield
-        finally:
-            helpers.patch()
-
-    return context()
+    pyvene_dist.unpatch()
+    try:
+        yield
+    finally:
+        helpers.patch()
 
 
 @pytest.mark.gpus(1)

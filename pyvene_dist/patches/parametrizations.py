@@ -12,8 +12,8 @@ The fix runs pyvene's ``do_intervention`` (one intervention applied once) inside
 the weight, later reads in the same application reuse it; a recomputation under gradient checkpointing
 goes through ``do_intervention`` again and builds the same graph. Forward outputs are bit-identical
 (the same arithmetic, once); gradients reach the raw matrix through one Householder backward instead of
-three whose results are summed, so they agree to rounding (fp32: relative 1e-6 in tests), not bit for bit. The weights are read afresh on every call,
-so an optimizer step between forwards is always seen.
+three whose results are summed, so they agree to rounding (fp32: relative 1e-6 in tests), not bit for
+bit. The weights are read afresh on every call, so an optimizer step between forwards is always seen.
 
 PyTorch keeps that cache in module globals: a counter of open contexts and one dict keyed by the
 *original* module the parametrization was registered on (the key is fixed in the property it injects
@@ -60,4 +60,3 @@ def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
     finally:
         with _lock:
             context.__exit__(None, None, None)
-

@@ -79,10 +79,11 @@ def _patch_transformers(registry, module) -> None:
 
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):
-    parameters = inspect.signature(wrapped).parameters
+    signature = inspect.signature(wrapped)
+    parameters = signature.parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     inputs = bound.arguments.get("inputs")
     locations = inputs.get("intervention_locations") if isinstance(inputs, dict) else None
     if isinstance(locations, torch.Tensor) and locations.dim() == 3:

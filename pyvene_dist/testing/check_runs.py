@@ -73,10 +73,7 @@ class CheckCase(ParityCase):
 
     def base_model(self) -> nn.Module:
         if not self.local:
-            shape = {"layers": self.num_layers, "hidden": self.hidden_size}
-            return models.BASE_MODELS[self.model](
-                seed=self.seed, dtype=self.torch_dtype, **{k: v for k, v in shape.items() if v is not None}
-            )
+            return super().base_model()
         from transformers import AutoModelForCausalLM
 
         config = model_config(self.model)
@@ -87,21 +84,6 @@ class CheckCase(ParityCase):
                 torch.manual_seed(self.seed)
                 model = AutoModelForCausalLM.from_config(config)
         return model.to(self.torch_dtype)
-
-    def reft_model(self, base: nn.Module) -> nn.Module:
-        """``base`` with the case's interventions (``ParityCase.build``'s second half)."""
-        model = models.reft_model(
-            base, layers=self.layers, component=self.component, rank=self.rank, intervention=self.intervention,
-            dtype=self.torch_dtype, seed=self.seed + 1,
-        )
-        if self.checkpointing is not None:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": self.checkpointing == "reentrant"}
-            )
-        return model
-
-    def build(self):
-        return super().build() if not self.local else self.reft_model(self.base_model())
 
 
 def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str | int]:

@@ -90,12 +90,19 @@ class ParityCase:
         return TOLERANCES[self.torch_dtype]
 
     def build(self):
+        return self.reft_model(self.base_model())
+
+    def base_model(self) -> nn.Module:
+        """The base model alone, its weights drawn from ``seed``."""
         if self.model not in models.BASE_MODELS:
             raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
         shape = {"layers": self.num_layers, "hidden": self.hidden_size}
-        base = models.BASE_MODELS[self.model](
+        return models.BASE_MODELS[self.model](
             seed=self.seed, dtype=self.torch_dtype, **{k: v for k, v in shape.items() if v is not None}
         )
+
+    def reft_model(self, base: nn.Module) -> nn.Module:
+        """``base`` with the case's interventions, checkpointed when the case says so."""
         model = models.reft_model(
             base,
             layers=self.layers,
