@@ -14,4 +14,6 @@ pip install --no-deps pyreft==0.1.0
 # DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute).
 pip install setuptools wheel
 pip install --no-build-isolation "deepspeed==0.19.8"
+# libaio for DeepSpeed's NVMe offload, unpacked into .libaio/ (no root needed); without it those tests skip.
+bash scripts/fetch_libaio.sh || echo "setup: libaio not fetched; the NVMe offload tests will skip" >&2
 .venv/bin/python -c "import torch, pyvene, pyreft, deepspeed, pyvene_dist; print('setup ok: torch', torch.__version__)"

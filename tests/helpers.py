@@ -1,5 +1,7 @@
 """Helpers shared by the tests (importable from spawned ranks too: this folder is on sys.path)."""
 
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
@@ -52,3 +54,28 @@ def patch_upstream(folder: Path) -> None:
     touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
     if touched != ["pyvene.models.intervenable_base.BaseModel.get_device"]:
         raise RuntimeError(f"runtime-only concerns wrapped {touched} of pyvene and pyreft")
+
+
+#: Where scripts/fetch_libaio.sh unpacks libaio (DeepSpeed's NVMe offload builds its async_io op against it).
+LIBAIO = Path(__file__).resolve().parents[1] / ".libaio"
+
+
+def libaio_missing() -> str | None:
+    """Why DeepSpeed's async_io op cannot build here, or None: the header and library of libaio,
+    from .libaio (``bash scripts/fetch_libaio.sh``) or the system (``apt install libaio-dev``)."""
+    if list(LIBAIO.glob("usr/lib/*/libaio.so.1")) and (LIBAIO / "usr/include/libaio.h").exists():
+        return None
+    if ctypes.util.find_library("aio") and Path("/usr/include/libaio.h").exists():
+        return None
+    return "NVMe offload needs libaio: bash scripts/fetch_libaio.sh (or apt install libaio-dev)"
+
+
+def use_libaio() -> None:
+    """Let this process build and load DeepSpeed's async_io op against .libaio, when that is where libaio is."""
+    found = sorted(LIBAIO.glob("usr/lib/*/libaio.so.1"))
+    if not found:
+        return  # the system's, if any
+    for variable, folder in (("CPATH", LIBAIO / "usr/include"), ("LIBRARY_PATH", found[0].parent)):
+        os.environ[variable] = os.pathsep.join(filter(None, [str(folder), os.environ.get(variable)]))
+    # The loader reads LD_LIBRARY_PATH at start only: load libaio now, and the op's library finds it loaded.
+    ctypes.CDLL(str(found[0]), mode=ctypes.RTLD_GLOBAL)

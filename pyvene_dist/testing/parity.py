@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -274,30 +275,48 @@ class FSDP1(DDP):
 
 
 class DeepSpeed(DDP):
-    """``deepspeed.initialize`` with ZeRO ``stage``; ``offload`` puts parameters (stage 3) and optimizer on CPU.
+    """``deepspeed.initialize`` with ZeRO ``stage``; ``offload`` ("cpu", or True, or "nvme") moves the optimizer
+    state and, at stage 3, the parameters to host memory or to swap files under ``nvme_path`` (a fresh
+    temporary folder per process when None; NVMe needs DeepSpeed's async_io op, hence libaio).
 
     Every parameter is partitioned (``stage3_param_persistence_threshold: 0``), the interventions too.
     ``zero`` entries are merged into ``zero_optimization`` (memory knobs such as
-    ``stage3_max_live_parameters``). Gradients and weights are read whole by
+    ``stage3_max_live_parameters``; a section such as ``offload_param`` is merged key by key). Gradients and weights are read whole by
     ``intervention_grads``/``intervention_weights``.
     """
 
-    def __init__(self, stage: int, offload: bool = False, device: str | torch.device | None = None,
-                 zero: dict | None = None):
+    def __init__(self, stage: int, offload: bool | str = False, device: str | torch.device | None = None,
+                 zero: dict | None = None, nvme_path: str | None = None):
         super().__init__(device)
-        self.stage, self.offload, self.zero = stage, offload, dict(zero or {})
-        self.name = f"zero{stage}" + ("-offload" if offload else "")
+        offload = "cpu" if offload is True else offload or None
+        if offload not in (None, "cpu", "nvme"):
+            raise ValueError(f"offload must be 'cpu', 'nvme', True or False, got {offload!r}")
+        self.stage, self.offload, self.zero, self.nvme_path = stage, offload, dict(zero or {}), nvme_path
+        self.name = f"zero{stage}" + {None: "", "cpu": "-offload", "nvme": "-nvme"}[offload]
         self.engine = None
 
     def config(self, batch_size: int) -> dict:
         zero: dict = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
-        if self.offload:
+        if self.offload == "cpu":
             zero["offload_optimizer"] = {"device": "cpu"}
             if self.stage == 3:
                 zero["offload_param"] = {"device": "cpu"}
-        zero.update(self.zero)
+        elif self.offload == "nvme":
+            if self.nvme_path is None:
+                self.nvme_path = tempfile.mkdtemp(prefix="pyvene-dist-nvme-")
+            swap = {"device": "nvme", "nvme_path": self.nvme_path}
+            zero["offload_optimizer"] = dict(swap)
+            if self.stage == 3:
+                # Swap-in buffers: one per gathered parameter alive at once (a layer's 7 matrices and the next
+                # layer's prefetch), each as large as the largest partition (DeepSpeed's own 5 x 1e8 elements
+                # run short of buffers first). Larger models set their own through ``zero``.
+                zero["offload_param"] = {**swap, "buffer_count": 16, "buffer_size": 2**22}
+                zero["stage3_prefetch_bucket_size"] = 0
+        for key, value in self.zero.items():  # a section given in part keeps the rest (nvme_path, say)
+            both = isinstance(value, dict) and isinstance(zero.get(key), dict)
+            zero[key] = {**zero[key], **value} if both else value
         return {
             "train_micro_batch_size_per_gpu": batch_size // self.world_size,
             "gradient_accumulation_steps": 1,
@@ -312,6 +331,11 @@ class DeepSpeed(DDP):
         config = self.config(case.batch_size)
         if case.torch_dtype == torch.bfloat16:
             config["bf16"] = {"enabled": True}  # DeepSpeed's bf16: bf16 weights, fp32 master copies to step
+        if self.offload == "nvme" and self.stage == 3:
+            # What the engine would do, but with the dtype read from the config: the engine passes the model's
+            # dtype, which Init's `dtype or float16 if fp16 else bfloat16 ...` drops on an accelerator without
+            # float16 (the CPU one), so fp32 weights came back from their swap files as bf16.
+            deepspeed.zero.Init(module=model, config_dict_or_path=config)
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return self.engine, optimizer
 
@@ -352,6 +376,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "zero3": lambda device=None: DeepSpeed(3, device=device),
     "zero2-offload": lambda device=None: DeepSpeed(2, offload=True, device=device),
     "zero3-offload": lambda device=None: DeepSpeed(3, offload=True, device=device),
+    "zero3-nvme": lambda device=None: DeepSpeed(3, offload="nvme", device=device),
     "dataparallel": DataParallel,
 }
 
