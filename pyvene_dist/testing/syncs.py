@@ -16,6 +16,8 @@ def host_device_syncs(step: Callable[[], object]) -> list[traceback.StackSummary
     syncs = []
 
     def keep(message, *_, **__):
+        if "synchronizing CUDA operation" not in str(message):
+            return  # another warning raised during the step (a deprecation, say)
         syncs.append(traceback.StackSummary.from_list(
             [frame for frame in traceback.extract_stack()[:-1] if not frame.filename.endswith("warnings.py")]
         ))
@@ -34,5 +36,7 @@ def host_device_syncs(step: Callable[[], object]) -> list[traceback.StackSummary
 
 
 def innermost_outside_torch(stack: traceback.StackSummary) -> traceback.FrameSummary:
-    """The frame that called into torch: whose code asked for the sync."""
-    return next(frame for frame in reversed(stack) if f"{os.sep}torch{os.sep}" not in frame.filename)
+    """The frame that called into torch: whose code asked for the sync. torch's frames are those under its
+    package folder (a path merely containing "torch", such as an environment's, is not torch)."""
+    folder = os.path.dirname(torch.__file__) + os.sep
+    return next(frame for frame in reversed(stack) if not os.path.abspath(frame.filename).startswith(folder))
