@@ -20,8 +20,8 @@ def read(paths):
 
 def latest(rows):
     """The newest row of each configuration (rows differing only in timings and time are reruns)."""
-    measured = {"time", "p20_ms", "p50_ms", "p80_ms", "tokens_per_s", "peak_memory_gib", "parameter_gib", "versions",
-                "zero_optimization"}
+    measured = {"time", "p20_ms", "p50_ms", "p80_ms", "host_p50_ms", "window_ms_per_step", "tokens_per_s",
+                "peak_memory_gib", "parameter_gib", "versions", "zero_optimization"}
     newest = {}
     for row in sorted(rows, key=lambda r: r.get("time", "")):
         newest[json.dumps({k: v for k, v in row.items() if k not in measured}, sort_keys=True)] = row

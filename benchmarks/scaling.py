@@ -7,9 +7,15 @@
         --checkpointing none,non-reentrant       # what activation checkpointing saves on one GPU
 
 Each (strategy, world size) runs in its own world of spawned processes (pyvene_dist.testing.spawn):
-``--warmup`` untimed steps, then ``--steps`` timed ones. Rows: strategy, world size, per-GPU batch,
-tokens per step, p20/p50/p80 step time, tokens/s, peak memory on rank 0, parameter bytes held by
-rank 0, GPU, versions, time. No assertion: speed is read from the rows, as ratios within one run.
+``--warmup`` untimed steps, ``--steps`` steps timed one by one (the GPU drained before and after each:
+p20/p50/p80 latency, and ``host_p50_ms``, the time until the host has queued a step), then ``--steps``
+more timed as one window with no drain between them, as a training loop runs: ``tokens_per_s`` is
+all ranks' tokens over that window. Rows also hold per-GPU batch, tokens per step, peak memory on rank 0,
+parameter bytes held by rank 0, GPU, versions, time. No assertion: speed is read from the rows, as
+ratios within one run.
+
+Strategy ``independent`` is a diagnostic, not a parallel strategy: every process trains its own copy on
+its own GPU with no communication at all. Against world size 1 it shows what sharing one host costs.
 """
 
 from __future__ import annotations
@@ -56,12 +62,14 @@ def rank_main(run: Run, out: str) -> None:
 
     pyvene_dist.patch()
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: ranks must not fight over host cores
+    independent = run.strategy == "independent"
+    ranks_in_batch = 1 if independent else run.world_size
     case = ParityCase(model=run.model, hidden_size=run.hidden, num_layers=run.layers,
-                      batch_size=run.batch * run.world_size, seq_len=run.seq_len, steps=run.steps + run.warmup,
+                      batch_size=run.batch * ranks_in_batch, seq_len=run.seq_len, steps=run.warmup + 2 * run.steps,
                       dtype=run.dtype, component=run.component,
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
                       checkpointing=None if run.checkpointing == "none" else run.checkpointing)
-    strategy = STRATEGIES[run.strategy]()
+    strategy = STRATEGIES["single" if independent else run.strategy]()
     if isinstance(strategy, DeepSpeed) and run.zero:
         strategy.zero.update(json.loads(run.zero))
     with torch.device(strategy.device):  # random weights made where they are used: faster than on the host
@@ -74,32 +82,49 @@ def rank_main(run: Run, out: str) -> None:
     cuda = strategy.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(strategy.device)
-    times = []
-    for step, batch in enumerate(case.batches()):
-        if cuda:
-            torch.cuda.synchronize()
+    drain = torch.cuda.synchronize if cuda else (lambda: None)
+    times, host = [], []
+    batches = iter(case.batches())
+    for step in range(run.warmup + run.steps):
+        batch = next(batches)
+        drain()
         started = time.perf_counter()
         loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
         strategy.backward(loss)
         strategy.step(optimizer)
-        if cuda:
-            torch.cuda.synchronize()
+        queued = time.perf_counter()
+        drain()
         if step >= run.warmup:
             times.append(time.perf_counter() - started)
+            host.append(queued - started)
+    window = list(batches)
+    dist.barrier()
+    drain()
+    started = time.perf_counter()
+    for batch in window:  # as a training loop runs: the host queues ahead, nothing waits between steps
+        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
+        strategy.backward(loss)
+        strategy.step(optimizer)
+    drain()
+    window_s = time.perf_counter() - started
     if dist.get_rank() == 0:
         times.sort()
+        host.sort()
+        tokens_per_step = run.batch * run.world_size * case.seq_len  # all ranks
         row = {
             **dataclasses.asdict(run),
             "provider": "pyvene_dist",
-            "tokens_per_step": case.batch_size * case.seq_len,
+            "tokens_per_step": tokens_per_step,
             **{f"p{q}_ms": 1000 * times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
+            "host_p50_ms": 1000 * host[len(host) // 2],
+            "window_ms_per_step": 1000 * window_s / len(window),
+            "tokens_per_s": tokens_per_step * len(window) / window_s,
             "peak_memory_gib": torch.cuda.max_memory_allocated(strategy.device) / 2**30 if cuda else None,
             "parameter_gib": held / 2**30,
             "gpu": torch.cuda.get_device_name(strategy.device) if cuda else platform.processor() or "cpu",
             "versions": {"torch": torch.__version__, **_versions()},
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        row["tokens_per_s"] = row["tokens_per_step"] / (row["p50_ms"] / 1000)
         if getattr(strategy, "engine", None) is not None:  # what DeepSpeed ran with, knobs included
             row["zero_optimization"] = strategy.engine.config["zero_optimization"]
         Path(out).write_text(json.dumps(row))
@@ -119,7 +144,8 @@ def _versions() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", default="ddp,fsdp2,zero2,zero3")
+    parser.add_argument("--strategies", default="ddp,fsdp2,zero2,zero3",
+                        help="names of pyvene_dist.testing.STRATEGIES, or independent (see above)")
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--batch", type=int, default=2, help="per GPU")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU runs behind the committed figures (benchmarks/results/*-2xH200.jsonl, docs/benchmarks.md),
+# on the device tool's nvidia-h200-x2 with .whl and .libaio carried. Rows go to $OUT/<part>.jsonl, logs to
+# $OUT/<part>.log.
+#   bash benchmarks/run_h200.sh ddp-scaling zero-memory nvme overhead
+set -uo pipefail
+source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
+knobs='"stage3_max_live_parameters": 3e7, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6'
+for part in "$@"; do
+  echo "=== $part" >&2
+  case $part in
+    ddp-scaling)  # throughput at the same per-GPU batch; independent = two processes, no communication
+      python3 benchmarks/scaling.py --strategies ddp,independent --world-sizes 1,2 --model llama-1b \
+        --batch 8 --seq-len 512 --dtype bfloat16 --steps 20 --warmup 3 --out "$OUT/ddp-scaling.jsonl" ;;
+    ddp-scaling-32)  # the same at 32 x 512 tokens per GPU, where the step is bound by the GPU, not the host
+      python3 benchmarks/scaling.py --strategies ddp,independent --world-sizes 1,2 --model llama-1b \
+        --batch 32 --seq-len 512 --dtype bfloat16 --steps 10 --warmup 3 --out "$OUT/ddp-scaling.jsonl" ;;
+    zero-memory)  # peak memory per GPU, fp32, activation checkpointing, a 5.9B model (hidden 4096, 32 layers)
+      python3 benchmarks/scaling.py --strategies ddp,zero3,zero3-offload --world-sizes 2 --model llama-1b \
+        --hidden 4096 --layers 32 --batch 2 --seq-len 512 --steps 3 --warmup 1 --checkpointing non-reentrant \
+        --zero "{$knobs, \"stage3_prefetch_bucket_size\": 3e7}" --out "$OUT/zero-memory.jsonl" ;;
+    nvme)  # ZeRO-3 with parameters and optimizer swapped to files under /tmp (1.1B, fp32)
+      python3 benchmarks/scaling.py --strategies zero3-nvme --world-sizes 2 --model llama-1b --batch 2 \
+        --seq-len 512 --steps 3 --warmup 1 --checkpointing non-reentrant \
+        --zero "{$knobs, \"offload_param\": {\"buffer_count\": 16, \"buffer_size\": 4e7}}" \
+        --out "$OUT/zero-memory.jsonl" ;;
+    overhead)
+      python3 benchmarks/overhead.py --steps 40 --out "$OUT/overhead.jsonl" ;;
+    tests)  # the GPU tests of this session's changes
+      bash scripts/gpu_checks.sh tests/test_fast_path.py tests/test_data_parallel.py \
+        tests/test_deepspeed.py::test_zero3_nvme_offload_matches_zero3_in_memory \
+        tests/test_deepspeed.py::test_zero_in_bf16_matches_one_process \
+        tests/test_checkpoints.py::test_distributed_causal_lm_trainer_saves_without_hanging ;;
+    graphs)  # capture by CUDA graphs, and the sync check
+      bash scripts/gpu_checks.sh tests/test_fast_path.py -k "cuda_graphs or steady_state" ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac 2>&1 | grep -v "Warning: \|return func" > "$OUT/$part.log"
+  tail -5 "$OUT/$part.log"
+done
