@@ -309,11 +309,14 @@ class DeepSpeed(DDP):
             swap = {"device": "nvme", "nvme_path": self.nvme_path}
             zero["offload_optimizer"] = dict(swap)
             if self.stage == 3:
-                # Swap-in buffers: one per gathered parameter alive at once (a layer's 7 matrices and the next
-                # layer's prefetch), each as large as the largest partition (DeepSpeed's own 5 x 1e8 elements
-                # run short of buffers first). Larger models set their own through ``zero``.
+                # Every gathered parameter holds a swap buffer, as large as the largest partition, until it is
+                # released. DeepSpeed's defaults keep parameters the backward will use again (reuse distance
+                # and live parameters 1e9 elements), and a frozen model's backward then runs out of buffers
+                # ("Not enough buffers 0 for swapping 1"); release them at once instead. Prefetching
+                # asserts on a buffer already assigned. Larger models set sizes through ``zero``.
                 zero["offload_param"] = {**swap, "buffer_count": 16, "buffer_size": 2**22}
-                zero["stage3_prefetch_bucket_size"] = 0
+                zero.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0,
+                            stage3_max_live_parameters=10**6)
         for key, value in self.zero.items():  # a section given in part keeps the rest (nvme_path, say)
             both = isinstance(value, dict) and isinstance(zero.get(key), dict)
             zero[key] = {**zero[key], **value} if both else value
