@@ -41,13 +41,18 @@ def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
         assert single.metrics["eval_examples"] == 7
 
 
-def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path):
-    whole = launch(tmp_path, 2, "--steps", "4")
-    launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "first"), "--save-steps", "2")
+@pytest.mark.parametrize("strategy", [pytest.param((), id="ddp"), pytest.param(("--deepspeed", "3"), id="zero3")])
+def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path, strategy):
+    """Under ZeRO-3 the checkpoint is DeepSpeed's own (each rank's partitions of weights and optimizer state)."""
+    whole = launch(tmp_path, 2, "--steps", "4", *strategy)
+    launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "first"), "--save-steps", "2", *strategy)
+    if strategy:
+        assert list((tmp_path / "first" / "checkpoint-2").glob("global_step2/*optim_states.pt")), "not DeepSpeed's"
     resumed = launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "second"),
-                     "--resume-from", str(tmp_path / "first" / "checkpoint-2"))
+                     "--resume-from", str(tmp_path / "first" / "checkpoint-2"), *strategy)
     print("uninterrupted:", whole.losses, "\nresumed:      ", resumed.losses)
-    assert len(resumed.grads) == 2
+    assert len(resumed.grads) == (0 if strategy else 2)  # two steps ran after the checkpoint (no reading under ZeRO)
+    assert len(resumed.losses) == 4  # the log holds the first two too, restored from the checkpoint
     torch.testing.assert_close(torch.tensor(resumed.losses[2:]), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
     for name, value in whole.weights.items():
         torch.testing.assert_close(resumed.weights[name], value, rtol=1e-6, atol=1e-7, msg=name)
