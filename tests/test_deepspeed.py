@@ -10,7 +10,7 @@ from pyvene_dist.testing.parity import DeepSpeed, tolerance
 
 pytest.importorskip("deepspeed")
 
-STAGES = ["zero1", "zero2", "zero3"]
+STAGES = ["zero1", "zero2", "zero3", "zero3-offload"]  # offload: parameters and optimizer state in host memory
 
 
 @pytest.mark.world_size(1, 2, timeout=600)
@@ -27,7 +27,7 @@ def test_zero_matches_one_process(strategy):
 
 
 @pytest.mark.world_size(2, timeout=600)
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3-offload"])
 def test_zero_in_bf16_matches_one_process(strategy):
     """DeepSpeed's bf16 engine used to fail at the first forward: ``"orgqr_cpu" not implemented for
     'BFloat16'`` (the rotation cast to bf16 has no Householder kernel; patches.parametrizations)."""
@@ -42,7 +42,8 @@ def test_zero_in_bf16_matches_one_process(strategy):
 
 @pytest.mark.world_size(2, timeout=900)
 @pytest.mark.skipif(helpers.libaio_missing() is not None, reason=str(helpers.libaio_missing()))
-def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path, dtype):
     """Parameters and optimizer state swapped to files (ZeRO-Infinity); the first run compiles the async_io op.
 
     DeepSpeed swaps a partition only from 1 MiB up (``MIN_AIO_BYTES``), hence hidden 1024: the base model's
@@ -55,7 +56,7 @@ def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path):
 
     helpers.use_libaio()
     helpers.patch()
-    case = ParityCase(hidden_size=1024, num_layers=6, layers=(2, 4))
+    case = ParityCase(hidden_size=1024, num_layers=6, layers=(2, 4), dtype=dtype)
     folder = tmp_path / f"nvme-rank{os.environ['RANK']}"
     strategy = DeepSpeed(3, offload="nvme", nvme_path=str(folder))
     candidate = train(case, strategy)
@@ -65,7 +66,7 @@ def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path):
     assert len(large) > 0 and len(swapped) == len(large)
     in_memory = train(case, "zero3")
     if dist.get_rank() == 0:
-        print(f"zero3-nvme vs zero3: {differences(in_memory, candidate)}; "
+        print(f"zero3-nvme {dtype} vs zero3: {differences(in_memory, candidate)}; "
               f"vs one device: {differences(train(case, 'single'), candidate)}")
         assert_parity(in_memory, candidate, case.tolerance)
 
