@@ -281,8 +281,8 @@ class DeepSpeed(DDP):
 
     Every parameter is partitioned (``stage3_param_persistence_threshold: 0``), the interventions too.
     ``zero`` entries are merged into ``zero_optimization`` (memory knobs such as
-    ``stage3_max_live_parameters``; a section such as ``offload_param`` is merged key by key). Gradients and weights are read whole by
-    ``intervention_grads``/``intervention_weights``.
+    ``stage3_max_live_parameters``; a section such as ``offload_param`` is merged key by key).
+    Gradients and weights are read whole by ``intervention_grads``/``intervention_weights``.
     """
 
     def __init__(self, stage: int, offload: bool | str = False, device: str | torch.device | None = None,
