@@ -83,15 +83,19 @@ def rank_main(run: Run, out: str) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(strategy.device)
     drain = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def train_step(batch) -> None:
+        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
+        strategy.backward(loss)
+        strategy.step(optimizer)
+
     times, host = [], []
     batches = iter(case.batches())
     for step in range(run.warmup + run.steps):
         batch = next(batches)
         drain()
         started = time.perf_counter()
-        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
-        strategy.backward(loss)
-        strategy.step(optimizer)
+        train_step(batch)
         queued = time.perf_counter()
         drain()
         if step >= run.warmup:
@@ -102,9 +106,7 @@ def rank_main(run: Run, out: str) -> None:
     drain()
     started = time.perf_counter()
     for batch in window:  # as a training loop runs: the host queues ahead, nothing waits between steps
-        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
-        strategy.backward(loss)
-        strategy.step(optimizer)
+        train_step(batch)
     drain()
     window_s = time.perf_counter() - started
     if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ from pyvene_dist.testing import ParityCase, assert_parity, differences, train
 from pyvene_dist.testing.parity import DeepSpeed, tolerance
 
 pytest.importorskip("deepspeed")
+NO_LIBAIO = helpers.libaio_missing()  # why NVMe offload cannot run here, or None
 
 STAGES = ["zero1", "zero2", "zero3", "zero3-offload"]  # offload: parameters and optimizer state in host memory
 
@@ -41,7 +42,7 @@ def test_zero_in_bf16_matches_one_process(strategy):
 
 
 @pytest.mark.world_size(2, timeout=900)
-@pytest.mark.skipif(helpers.libaio_missing() is not None, reason=str(helpers.libaio_missing()))
+@pytest.mark.skipif(NO_LIBAIO is not None, reason=str(NO_LIBAIO))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path, dtype):
     """Parameters and optimizer state swapped to files (ZeRO-Infinity); the first run compiles the async_io op.
@@ -91,8 +92,6 @@ def test_zero3_partitions_the_base_model_and_the_interventions():
 @pytest.mark.world_size(2, timeout=600)
 @pytest.mark.parametrize("intervention", ["NoreftIntervention", "DireftIntervention"])
 def test_interventions_reading_other_modules_weights_under_zero3(intervention):
-    from pyvene_dist.testing.parity import DeepSpeed, tolerance
-
     helpers.patch()
     case = ParityCase(intervention=intervention, rank=8)
     strategy = DeepSpeed(3)
