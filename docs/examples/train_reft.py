@@ -50,6 +50,8 @@ trainer = pyreft.ReftTrainer(model=reft_model, args=arguments, train_dataset=exa
 trainer.train()
 
 # Leave the process group HF Trainer joined under torchrun before the interpreter exits: gloo's threads
-# otherwise outlive it ("terminate called without an active exception").
+# otherwise outlive it ("terminate called without an active exception"). The barrier first, so that no
+# rank tears its connections down while another still uses them.
 if torch.distributed.is_initialized():
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
