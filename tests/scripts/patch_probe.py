@@ -78,8 +78,9 @@ def check_restored():
         if site in captured:
             assert current is captured[site], f"{site} is not the object found before patching"
         else:
-            # Imported after patching: the plain function, the same object its defining module holds.
-            assert isinstance(current, types.FunctionType), f"{site} is {current!r}"
+            # Imported after patching: the plain function (or C builtin, as torch's), the same object
+            # its defining module holds.
+            assert isinstance(current, (types.FunctionType, types.BuiltinFunctionType)), f"{site} is {current!r}"
             home = sys.modules[current.__module__]
             defined = functools.reduce(getattr, current.__qualname__.split("."), home)
             assert defined is current, f"{site} is not the function {current.__module__} defines"
