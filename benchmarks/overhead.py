@@ -5,8 +5,14 @@
 
 Providers: ``bare`` (the HF model alone), ``peft-lora`` (LoRA rank 8 on q and v at the same layers),
 ``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``).
-Measured: a training step (forward, backward, AdamW step) and a no-grad forward; p20/p50/p80 over
-``--steps`` after ``--warmup``; one JSONL row each. No assertion: the ratios are read from the rows.
+Measured: a training step (forward, backward, AdamW step) and a no-grad forward, each step timed on its
+own (the GPU drained before and after); p20/p50/p80 over ``--steps``; one JSONL row each.
+
+The compared measurements are interleaved: ``--rounds`` rounds, each timing a block of every provider
+in turn (the order rotating), every block after one untimed step. LoRA and pyvene_dist's training
+steps (and the bare and pyvene_dist forwards) thus see the same machine, clocks and neighbours, and a
+drift during the run moves both. Stock pyvene runs before them, on its own (it needs pyvene unpatched).
+No assertion: the ratios are read from the rows.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import pyvene_dist
 
 
 def llama_1b_class(dtype, smoke: bool):
@@ -38,6 +46,7 @@ def llama_1b_class(dtype, smoke: bool):
 
 
 def timed(step, *, warmup: int, steps: int, device) -> list[float]:
+    """Milliseconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, each timed alone."""
     times = []
     for i in range(warmup + steps):
         if device.type == "cuda":
@@ -48,7 +57,19 @@ def timed(step, *, warmup: int, steps: int, device) -> list[float]:
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(1000 * (time.perf_counter() - started))
-    return sorted(times)
+    return times
+
+
+def interleaved(steps_by_name: dict, *, rounds: int, steps: int, device) -> dict[str, list[float]]:
+    """``timed`` for each of ``steps_by_name``, in ``rounds`` blocks of ``steps // rounds`` per name, the
+    names taking turns (the first of one round is the last of the next); one untimed step opens a block."""
+    names = list(steps_by_name)
+    times = {name: [] for name in names}
+    per_round = max(1, steps // rounds)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            times[name] += timed(steps_by_name[name], warmup=1, steps=per_round, device=device)
+    return times
 
 
 def main(argv=None) -> int:
@@ -56,7 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--positions", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per measurement, over all rounds")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved blocks per measurement")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/overhead.jsonl")
     parser.add_argument("--smoke", action="store_true")
@@ -64,6 +86,7 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     if options.smoke:
         options.batch, options.seq_len, options.positions, options.steps, options.warmup = 2, 16, 4, 2, 1
+        options.rounds = 2
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = llama_1b_class(dtype, options.smoke).to(device)
@@ -76,9 +99,10 @@ def main(argv=None) -> int:
     rows = []
 
     def record(provider, measure, times, locations=None):
+        times = sorted(times)
         rows.append({
             "provider": provider, "measure": measure, "locations": locations, "strategy": "single", "world_size": 1,
-            "batch": options.batch, "tokens": options.batch * options.seq_len,
+            "batch": options.batch, "tokens": options.batch * options.seq_len, "rounds": options.rounds,
             **{f"p{q}_ms": times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
             "tokens_per_s": options.batch * options.seq_len / (times[len(times) // 2] / 1000),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -88,15 +112,35 @@ def main(argv=None) -> int:
         })
         print(f"{provider:>12} {measure:>8} {locations or '':>6}: p50 {rows[-1]['p50_ms']:.2f} ms", flush=True)
 
-    measure = dict(warmup=options.warmup, steps=options.steps, device=device)
-    trace = tracer(Path(options.trace)) if options.trace and device.type == "cuda" else None
-    with torch.no_grad():
-        record("bare", "forward", timed(lambda: model(input_ids=ids), **measure))
-        if trace:
-            trace("bare forward", lambda: model(input_ids=ids))
-    _lora(model, ids, layers, record, measure, trace)
-    for provider in ("pyvene", "pyvene_dist"):
-        _reft(provider, model, ids, locations, layers, record, measure, trace)
+    trace = tracer(Path(options.trace)) if options.trace and device.type == "cuda" else (lambda name, step: None)
+    settle = dict(warmup=options.warmup, steps=0, device=device)
+    rounds = dict(rounds=options.rounds, steps=options.steps, device=device)
+
+    def bare_forward():
+        with torch.no_grad():
+            return model(input_ids=ids)
+
+    lora_step = _lora_step(model, ids, layers)  # on a copy, made before pyvene wraps the model
+    stock_reft, stock = _reft_steps(model, ids, locations, layers)  # pyvene unpatched, on its own
+    for mode, (measure, form) in ((stock_reft.train, ("train", None)), (stock_reft.eval, ("forward", "list"))):
+        mode()
+        step = stock[measure if form is None else f"{measure}:{form}"]
+        record("pyvene", measure, timed(step, warmup=options.warmup, steps=options.steps, device=device), form)
+        trace(f"pyvene {measure}" + (f" ({form} locations)" if form else ""), step)
+
+    with pyvene_dist.patched():  # LoRA's and the bare model's steps do not touch what it wraps
+        reft, fast = _reft_steps(model, ids, locations, layers, tensor_forward=True)
+        trains = {**({("peft-lora", None): lora_step} if lora_step else {}), ("pyvene_dist", None): fast["train"]}
+        forwards = {("bare", None): bare_forward, ("pyvene_dist", "list"): fast["forward:list"],
+                    ("pyvene_dist", "tensor"): fast["forward:tensor"]}
+        for measure, steps, mode in (("train", trains, reft.train), ("forward", forwards, reft.eval)):
+            mode()
+            for step in steps.values():
+                timed(step, **settle)
+            for (provider, form), times in interleaved(steps, **rounds).items():
+                record(provider, measure, times, form)
+            for (provider, form), step in steps.items():
+                trace(f"{provider} {measure}" + (f" ({form} locations)" if form else ""), step)
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     with open(options.out, "a") as out:
         for row in rows:
@@ -110,18 +154,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def _lora(model, ids, layers, record, measure, trace):
+def _lora_step(model, ids, layers):
+    """A LoRA training step on a copy of ``model``, or ``None`` without peft."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         print("peft is not installed: no LoRA row", file=sys.stderr)
-        return
+        return None
     import copy
 
     lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
                                                             layers_to_transform=layers))
     optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
-
     mask = torch.ones_like(ids)  # as HF Trainer passes it, and pyreft's compute_loss does
 
     def step():
@@ -129,55 +173,45 @@ def _lora(model, ids, layers, record, measure, trace):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    record("peft-lora", "train", timed(step, **measure))
-    if trace:
-        trace("peft-lora train", step)
-    del lora, optimizer
+    return step
 
 
-def _reft(provider, model, ids, locations, layers, record, measure, trace):
-    """ReFT steps as pyreft's ``ReftTrainer`` runs them: its own ``compute_loss`` on a collated batch
-    (``intervention_locations`` on the GPU, batch first), then backward and AdamW. The no-grad forward
-    calls pyvene with host lists, as inference code does; pyvene_dist also with a device tensor."""
+def _reft_steps(model, ids, locations, layers, *, tensor_forward=False):
+    """ReFT on ``model`` (under whatever patch state the caller is in) and its steps: ``{"train": step,
+    "forward:list": no-grad forward[, "forward:tensor": ...]}``; the caller sets train or eval mode.
+    The training step runs as pyreft's ``ReftTrainer`` does:
+    its own ``compute_loss`` on a collated batch (``intervention_locations`` on the GPU, batch first),
+    then backward and AdamW. The no-grad forward calls pyvene with host lists, as inference code does;
+    ``tensor_forward`` adds one with a device tensor (pyvene_dist only)."""
     import pyreft
 
-    import pyvene_dist
+    hidden = model.config.hidden_size
+    config = pyreft.ReftConfig(representations=[{
+        "layer": layer, "component": "block_output", "low_rank_dimension": 4,
+        "intervention": pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=4, dtype=model.dtype),
+    } for layer in layers])
+    reft = pyreft.get_reft_model(model, config)
+    reft.set_device(ids.device)
+    optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-4, weight_decay=0.0)
+    trainer = object.__new__(pyreft.ReftTrainer)  # compute_loss reads nothing of the trainer
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+             "intervention_locations": locations.permute(1, 0, 2).contiguous()}  # [batch, interventions, pos]
 
-    context = pyvene_dist.patched() if provider == "pyvene_dist" else contextlib.nullcontext()
-    with context:
-        hidden = model.config.hidden_size
-        config = pyreft.ReftConfig(representations=[{
-            "layer": layer, "component": "block_output", "low_rank_dimension": 4,
-            "intervention": pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=4, dtype=model.dtype),
-        } for layer in layers])
-        reft = pyreft.get_reft_model(model, config)
-        reft.set_device(ids.device)
-        optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-4, weight_decay=0.0)
-        trainer = object.__new__(pyreft.ReftTrainer)  # compute_loss reads nothing of the trainer
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
-                 "intervention_locations": locations.permute(1, 0, 2).contiguous()}  # [batch, interventions, pos]
+    def train():
+        trainer.compute_loss(reft, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
+    def forward(unit_locations):
         def step():
-            trainer.compute_loss(reft, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                return reft({"input_ids": ids}, unit_locations=unit_locations)
+        return step
 
-        listed = {"sources->base": (None, locations.tolist())}
-        forwards = {"list": lambda: reft({"input_ids": ids}, unit_locations=listed)}
-        if provider == "pyvene_dist":
-            forwards["tensor"] = lambda: reft({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})
-        reft.train()
-        record(provider, "train", timed(step, **measure))
-        if trace:
-            trace(f"{provider} train", step)
-        reft.eval()
-        with torch.no_grad():
-            for form, forward in forwards.items():
-                record(provider, "forward", timed(forward, **measure), locations=form)
-                if trace:
-                    trace(f"{provider} forward ({form} locations)", forward)
-        for intervention in reft.interventions.values():  # leave the shared base model as it was found
-            intervention.to("cpu")
+    steps = {"train": train, "forward:list": forward({"sources->base": (None, locations.tolist())})}
+    if tensor_forward:
+        steps["forward:tensor"] = forward({"sources->base": (None, locations)})
+    return reft, steps
 
 
 def tracer(path: Path):

@@ -2,7 +2,7 @@
 # The GPU runs behind the committed figures (benchmarks/results/*-2xH200.jsonl, docs/benchmarks.md),
 # on the device tool's nvidia-h200-x2 with .whl and .libaio carried. Rows go to $OUT/<part>.jsonl, logs to
 # $OUT/<part>.log.
-#   bash benchmarks/run_h200.sh ddp-scaling zero-memory nvme overhead
+#   bash benchmarks/run_h200.sh ddp-scaling zero-memory nvme overhead overhead-trace tests
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
 knobs='"stage3_max_live_parameters": 3e7, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6'
@@ -25,13 +25,13 @@ for part in "$@"; do
         --seq-len 512 --steps 2 --warmup 1 --checkpointing non-reentrant --zero '{"stage3_max_live_parameters":
         3e6, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6, "offload_param": {"buffer_count": 32,
         "buffer_size": 4e7}}' --out "$OUT/zero-memory.jsonl" ;;
-    overhead)
-      python3 benchmarks/overhead.py --steps 40 --out "$OUT/overhead.jsonl" ;;
-    tests)  # the GPU tests of this session's changes
-      bash scripts/gpu_checks.sh tests/test_fast_path.py tests/test_data_parallel.py \
-        tests/test_deepspeed.py::test_zero3_nvme_offload_matches_zero3_in_memory \
-        tests/test_deepspeed.py::test_zero_in_bf16_matches_one_process \
-        tests/test_checkpoints.py::test_distributed_causal_lm_trainer_saves_without_hanging ;;
+    overhead)  # 40 timed steps per measurement, in 8 interleaved rounds
+      python3 benchmarks/overhead.py --steps 40 --rounds 8 --out "$OUT/overhead.jsonl" ;;
+    overhead-trace)  # host-device syncs, kernel launches and operator calls per step, and profiles
+      python3 benchmarks/overhead.py --steps 8 --rounds 2 --trace "$OUT/overhead-trace.txt" \
+        --out "$OUT/overhead-trace.jsonl" ;;
+    tests)  # the GPU tests of the latest changes
+      bash scripts/gpu_checks.sh tests/test_householder.py tests/test_fast_path.py ;;
     graphs)  # capture by CUDA graphs, and the sync check
       bash scripts/gpu_checks.sh tests/test_fast_path.py -k "cuda_graphs or steady_state" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
