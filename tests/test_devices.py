@@ -24,3 +24,20 @@ def test_scatter_ignores_a_foreign_device(patched):
             tensor, torch.ones(2, 1, 3), "block_output", "pos", [[4], [0]], GPT2Model, config, False, device="meta"
         )
         assert tensor[0, 4].eq(1).all() and tensor[1, 0].eq(1).all() and tensor.sum() == 6
+
+
+def test_a_pyvene_with_other_signatures_is_refused_at_patch_time(monkeypatch):
+    """The wrappers bind pyvene's arguments by its 0.1.8 signatures; another order would be a silent mix-up."""
+    import pytest
+    from pyvene.models import modeling_utils
+
+    import pyvene_dist
+
+    def gather_neurons(tensor_input, unit_locations_as_list, unit, device=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(modeling_utils, "gather_neurons", gather_neurons)
+    with pytest.raises(TypeError, match=r"gather_neurons\(tensor_input, unit_locations_as_list, unit, device=None\) "
+                                        r"is not the signature pyvene_dist was written for"):
+        pyvene_dist.patch()
+    assert modeling_utils.gather_neurons is gather_neurons  # a failed patch() leaves nothing wrapped

@@ -24,7 +24,6 @@ Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -41,6 +40,8 @@ def patch(registry) -> None:
     from pyvene.models import intervenable_base, modeling_utils
 
     for module in (modeling_utils, intervenable_base):
+        for name, arguments in (("gather_neurons", _gather_arguments), ("scatter_neurons", _scatter_arguments)):
+            _check_signature(getattr(module, name), arguments)
         registry.wrap(module, "gather_neurons", _wrap_gather_neurons)
         registry.wrap(module, "scatter_neurons", _wrap_scatter_neurons)
 
@@ -59,24 +60,33 @@ def as_index(locations, device: torch.device) -> torch.Tensor:
 
 
 def _wrap_gather_neurons(wrapped, instance, args, kwargs):
-    return gather_neurons(*_bind(wrapped, args, kwargs))
+    return gather_neurons(*_gather_arguments(*args, **kwargs))
 
 
 def _wrap_scatter_neurons(wrapped, instance, args, kwargs):
-    return scatter_neurons(*_bind(wrapped, args, kwargs))
+    return scatter_neurons(*_scatter_arguments(*args, **kwargs))
 
 
-def _bind(function, args, kwargs) -> tuple:
-    bound = _signature(function).bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop("device", None)
-    return tuple(arguments.values())
+# pyvene's signatures, as Python binds them: the arguments without ``device``. They run in every hook
+# of every forward, where ``inspect.Signature.bind`` cost more than the index building; ``patch()``
+# checks them against the installed pyvene.
+def _gather_arguments(tensor_input, unit, unit_locations_as_list, device=None):
+    return tensor_input, unit, unit_locations_as_list
 
 
-@functools.lru_cache(maxsize=None)
-def _signature(function) -> inspect.Signature:
-    return inspect.signature(function)
+def _scatter_arguments(tensor_input, replacing_tensor_input, component, unit, unit_locations_as_list, model_type,
+                       model_config, use_fast, device=None):
+    return tensor_input, replacing_tensor_input, component, unit, unit_locations_as_list, model_type, model_config, \
+        use_fast
+
+
+def _check_signature(function, arguments) -> None:
+    expected = inspect.signature(arguments)
+    if inspect.signature(function) != expected:
+        raise TypeError(
+            f"{function.__module__}.{function.__qualname__}{inspect.signature(function)} is not the signature "
+            f"pyvene_dist was written for, {function.__name__}{expected}: the installed pyvene differs"
+        )
 
 
 def gather_neurons(tensor_input, unit, unit_locations_as_list):
