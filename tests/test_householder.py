@@ -75,9 +75,11 @@ def test_float32_rotation_gradients_agree_with_torchs_to_rounding():
     """LoReFT's rotation as pyreft builds it (float32, the orthogonal parametrization), through a loss."""
     reft = models.reft_model(models.tiny_llama(hidden=64), layers=(0,), seed=1)
     rotation = next(iter(reft.interventions.values())).rotate_layer
-    with torch.no_grad():  # move away from the identity, where most terms vanish
-        rotation.parametrizations.weight.original.add_(0.1 * torch.randn_like(rotation.parametrizations.weight.original))
-    target = torch.randn_like(rotation.weight)
+    original = rotation.parametrizations.weight.original  # (hidden, rank): reflectors under the diagonal
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # move the reflectors away from zero, where most terms vanish; the diagonal
+        original.add_(0.1 * torch.randn(original.shape, generator=generator).tril(-1))  # holds signs, read by .int()
+    target = torch.randn(rotation.weight.shape, generator=generator)
 
     def grad_of_original():
         rotation.parametrizations.weight.original.grad = None
