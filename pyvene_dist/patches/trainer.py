@@ -79,7 +79,8 @@ def _patch_transformers(registry, module) -> None:
 
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):
-    signature = inspect.signature(wrapped)
+    function = getattr(wrapped, "__func__", None)  # a bound method, as a trainer calls it
+    signature = _bound_signature(function) if function is not None else inspect.signature(wrapped)
     parameters = signature.parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         kwargs = {name: value for name, value in kwargs.items() if name in parameters}
@@ -89,6 +90,14 @@ def _wrap_compute_loss(wrapped, instance, args, kwargs):
     if isinstance(locations, torch.Tensor) and locations.dim() == 3:
         bound.arguments["inputs"] = {**inputs, "intervention_locations": DeviceLocations(locations)}
     return wrapped(*bound.args, **bound.kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_signature(function) -> inspect.Signature:
+    """The signature of ``function`` called as a bound method (``self`` left out), read once: every
+    training step asks for it."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 class DeviceLocations:
