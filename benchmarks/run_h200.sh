@@ -31,7 +31,8 @@ for part in "$@"; do
       python3 benchmarks/overhead.py --steps 8 --rounds 2 --trace "$OUT/overhead-trace.txt" \
         --out "$OUT/overhead-trace.jsonl" ;;
     tests)  # the GPU tests of the latest changes
-      bash scripts/gpu_checks.sh tests/test_householder.py tests/test_fast_path.py ;;
+      bash scripts/gpu_checks.sh tests/test_householder.py tests/test_fast_path.py tests/test_devices.py \
+        tests/test_checkpointing.py ;;
     graphs)  # capture by CUDA graphs, and the sync check
       bash scripts/gpu_checks.sh tests/test_fast_path.py -k "cuda_graphs or steady_state" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
