@@ -45,30 +45,35 @@ def llama_1b_class(dtype, smoke: bool):
     return LlamaForCausalLM(config).to(dtype)
 
 
-def timed(step, *, warmup: int, steps: int, device) -> list[float]:
-    """Milliseconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, each timed alone."""
+def timed(step, *, warmup: int, steps: int, device, host: list | None = None) -> list[float]:
+    """Milliseconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, each timed alone; the
+    host's share (until ``step`` returns, before the GPU is drained) is appended to ``host``."""
     times = []
     for i in range(warmup + steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         step()
+        queued = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(1000 * (time.perf_counter() - started))
+            if host is not None:
+                host.append(1000 * (queued - started))
     return times
 
 
-def interleaved(steps_by_name: dict, *, rounds: int, steps: int, device) -> dict[str, list[float]]:
+def interleaved(steps_by_name: dict, *, rounds: int, steps: int, device, host: dict) -> dict[str, list[float]]:
     """``timed`` for each of ``steps_by_name``, in ``rounds`` blocks of ``steps // rounds`` per name, the
-    names taking turns (the first of one round is the last of the next); one untimed step opens a block."""
+    names taking turns (the first of one round is the last of the next); one untimed step opens a block.
+    ``host[name]`` collects the host's share of each timed step."""
     names = list(steps_by_name)
     times = {name: [] for name in names}
     per_round = max(1, steps // rounds)
     for round_ in range(rounds):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            times[name] += timed(steps_by_name[name], warmup=1, steps=per_round, device=device)
+            times[name] += timed(steps_by_name[name], warmup=1, steps=per_round, device=device, host=host[name])
     return times
 
 
@@ -98,19 +103,21 @@ def main(argv=None) -> int:
     locations = torch.tensor([[positions] * options.batch] * len(layers), device=device)  # [interventions, batch, pos]
     rows = []
 
-    def record(provider, measure, times, locations=None):
-        times = sorted(times)
+    def record(provider, measure, times, locations=None, host=()):
+        times, host = sorted(times), sorted(host)
         rows.append({
             "provider": provider, "measure": measure, "locations": locations, "strategy": "single", "world_size": 1,
             "batch": options.batch, "tokens": options.batch * options.seq_len, "rounds": options.rounds,
             **{f"p{q}_ms": times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
+            "host_p50_ms": host[len(host) // 2] if host else None,
             "tokens_per_s": options.batch * options.seq_len / (times[len(times) // 2] / 1000),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "versions": {"torch": torch.__version__},
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         })
-        print(f"{provider:>12} {measure:>8} {locations or '':>6}: p50 {rows[-1]['p50_ms']:.2f} ms", flush=True)
+        print(f"{provider:>12} {measure:>8} {locations or '':>6}: p50 {rows[-1]['p50_ms']:.2f} ms"
+              + (f", host {rows[-1]['host_p50_ms']:.2f} ms" if host else ""), flush=True)
 
     trace = tracer(Path(options.trace)) if options.trace and device.type == "cuda" else (lambda name, step: None)
     settle = dict(warmup=options.warmup, steps=0, device=device)
@@ -124,8 +131,9 @@ def main(argv=None) -> int:
     stock_reft, stock = _reft_steps(model, ids, locations, layers)  # pyvene unpatched, on its own
     for mode, (measure, form) in ((stock_reft.train, ("train", None)), (stock_reft.eval, ("forward", "list"))):
         mode()
-        step = stock[measure if form is None else f"{measure}:{form}"]
-        record("pyvene", measure, timed(step, warmup=options.warmup, steps=options.steps, device=device), form)
+        step, host = stock[measure if form is None else f"{measure}:{form}"], []
+        record("pyvene", measure, timed(step, warmup=options.warmup, steps=options.steps, device=device, host=host),
+               form, host)
         trace(f"pyvene {measure}" + (f" ({form} locations)" if form else ""), step)
 
     with pyvene_dist.patched():  # LoRA's and the bare model's steps do not touch what it wraps
@@ -137,8 +145,9 @@ def main(argv=None) -> int:
             mode()
             for step in steps.values():
                 timed(step, **settle)
-            for (provider, form), times in interleaved(steps, **rounds).items():
-                record(provider, measure, times, form)
+            host = {name: [] for name in steps}
+            for (provider, form), times in interleaved(steps, **rounds, host=host).items():
+                record(provider, measure, times, form, host[provider, form])
             for (provider, form), step in steps.items():
                 trace(f"{provider} {measure}" + (f" ({form} locations)" if form else ""), step)
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
