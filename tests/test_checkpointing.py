@@ -57,11 +57,14 @@ def test_hooks_are_gone_after_backward_and_after_no_grad(patched):
     assert hook_counts(model) == baseline
 
 
-def test_call_boundary_as_transformers_4_checkpoints_it(patched):
-    """transformers 4.x checkpointed a layer's __call__, so hooks on the layer itself were inside too."""
+@pytest.mark.parametrize("component", ["block_output", "block_input"])
+def test_call_boundary_as_transformers_4_checkpoints_it(patched, component):
+    """transformers 4.x and 5.x up to at least 5.17 checkpoint a layer's __call__, so hooks on the layer
+    itself are inside too: the forward hook of block_output, the pre-hook of block_input, whose in-place
+    write then lands on the checkpoint's input (the same tensor in the forward and its recomputation)."""
     from torch.utils.checkpoint import checkpoint
 
-    case = ParityCase(component="block_output", steps=2)
+    case = ParityCase(component=component, steps=2)
     reference = train(case, "single")
 
     class CheckpointedCall(torch.nn.Module):

@@ -19,6 +19,12 @@ the recomputation applies exactly what the forward applied; source activations t
 are put back for the backward. Hooks a forward left for a backward that never came are removed at the
 next forward. Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup.
 
+In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
+which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
+checkpointed (transformers 4.x and 5.x up to at least 5.17) that hook runs inside the checkpoint, and
+its in-place write would land on the checkpoint's own input (see ``on_a_copy_of_the_input``). Outputs
+and gradients are unchanged; the tensor the previous layer returned keeps its values.
+
 Limit: run each training forward's backward before the next training forward of the same model (as
 HF Trainer, accelerate and every plain loop do, gradient accumulation included).
 
@@ -27,6 +33,7 @@ Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -51,7 +58,7 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     _release(instance)
     if not (torch.is_grad_enabled() and instance.training and checkpointing(instance.model)):
         return wrapped(*args, **kwargs)
-    with hooks.setters_kept_alive(instance) as kept:
+    with hooks.setters_kept_alive(instance, wrap_hook=on_a_copy_of_the_input) as kept:
         output = wrapped(*args, **kwargs)
     differentiable = [t for t in _tensors(output) if t.requires_grad]
     if not (kept.handles and differentiable):
@@ -66,6 +73,36 @@ def _wrap_forward(wrapped, instance, args, kwargs):
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
     return output
+
+
+def on_a_copy_of_the_input(callback):
+    """pyvene's intervening hook ``callback`` with, when it runs as a pre-hook, its in-place write going to
+    a copy of the module's input, which the module then receives instead.
+
+    Where a layer's ``__call__`` is checkpointed (transformers 4.x, and 5.x up to at least 5.17), the
+    pre-hook of ``block_input`` runs inside the checkpoint and would write into the checkpoint's input:
+    the very tensor the recomputation starts from again (non-reentrant: ``modified by an inplace
+    operation``), or a detached leaf (reentrant: ``a leaf Variable that requires grad is being used in
+    an in-place operation``). A copy changes neither outputs nor gradients; the tensor the caller passed
+    in is left as it was. Forward hooks (output components) are called unchanged."""
+
+    @functools.wraps(callback)
+    def hook(module, args, kwargs, *output):
+        if output:
+            return callback(module, args, kwargs, *output)
+        if args:  # pyvene intervenes on the first positional input, else on the first keyword one
+            args = (_copy(args[0]), *args[1:])
+        elif kwargs:
+            first = next(iter(kwargs))
+            kwargs = {**kwargs, first: _copy(kwargs[first])}
+        callback(module, args, kwargs)
+        return args, kwargs
+
+    return hook
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def checkpointing(model) -> bool:

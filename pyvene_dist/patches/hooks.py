@@ -11,7 +11,8 @@ The record is keyed by the model object, so ``nn.DataParallel`` replicas (shallo
 
 ``setters_kept_alive(model)`` is for ``patches.checkpointing``: inside it, the handles of the hooks that
 *apply* interventions are handed to the caller instead of to pyvene, which would remove them when its
-forward returns, before backward recomputes checkpointed layers.
+forward returns, before backward recomputes checkpointed layers; the caller may also replace the hooks
+themselves as they are registered (``wrap_hook``).
 
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 SITES = (
     "pyvene.models.intervenable_base:IntervenableModel._intervention_getter",
@@ -39,6 +40,8 @@ class Kept:
 
     handles: list = dataclasses.field(default_factory=list)
     activations: dict = dataclasses.field(default_factory=dict)
+    #: Applied to each intervening hook when it is registered (its replacement is what the module calls).
+    wrap_hook: Callable | None = None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -56,8 +59,8 @@ def patch(registry) -> None:
 
 
 @contextlib.contextmanager
-def setters_kept_alive(model) -> Iterator[Kept]:
-    kept = Kept()
+def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kept]:
+    kept = Kept(wrap_hook=wrap_hook)
     _keeping[model] = kept
     try:
         yield kept
@@ -83,6 +86,11 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
     if kept is None:
         return _wrap_hook_factory(wrapped, instance, args, kwargs)
     handler_list = wrapped(*args, **kwargs)
+    if kept.wrap_hook is not None:
+        for handle in handler_list.handlers:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                hooks[handle.id] = kept.wrap_hook(hooks[handle.id])
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
 
