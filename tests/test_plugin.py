@@ -115,3 +115,19 @@ def test_nothing():
 """)
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*world_size needs one or more positive integers, got (0,)*"])
+
+
+@pytest.mark.parametrize("gpus, expected", [(0, "gloo"), (1, "skip"), (2, "nccl"), (3, "nccl")])
+def test_auto_backend_never_puts_two_ranks_on_a_machine_with_too_few_gpus(monkeypatch, gpus, expected):
+    """With some GPUs but fewer than ranks, gloo ranks would still place rank r on cuda:r (DeepSpeed,
+    FSDP) and fail with ``invalid device ordinal``: such a world is skipped, naming what it needs."""
+    from pyvene_dist import pytest_plugin
+
+    monkeypatch.setattr(pytest_plugin, "_gpu_count", lambda: gpus)
+    config = type("Config", (), {"getoption": staticmethod(lambda name: "auto")})()
+    marker = pytest.mark.world_size(2).mark
+    if expected == "skip":
+        with pytest.raises(pytest.skip.Exception, match="needs 2 GPUs for nccl, found 1"):
+            pytest_plugin._backend(config, marker, 2)
+    else:
+        assert pytest_plugin._backend(config, marker, 2) == expected
