@@ -27,17 +27,20 @@ def test_scatter_ignores_a_foreign_device(patched):
 
 
 def test_a_pyvene_with_other_signatures_is_refused_at_patch_time(monkeypatch):
-    """The wrappers bind pyvene's arguments by its 0.1.8 signatures; another order would be a silent mix-up."""
+    """The wrappers bind pyvene's arguments by its 0.1.8 signatures; another order would be a silent mix-up.
+    (The concern is applied alone, into a registry of its own: under the upstream diffs patch() skips it.)"""
     import pytest
     from pyvene.models import modeling_utils
 
-    import pyvene_dist
+    from pyvene_dist._registry import Registry
+    from pyvene_dist.patches import devices
 
     def gather_neurons(tensor_input, unit_locations_as_list, unit, device=None):
         raise AssertionError("not called")
 
     monkeypatch.setattr(modeling_utils, "gather_neurons", gather_neurons)
+    registry = Registry()
     with pytest.raises(TypeError, match=r"gather_neurons\(tensor_input, unit_locations_as_list, unit, device=None\) "
                                         r"is not the signature pyvene_dist was written for"):
-        pyvene_dist.patch()
-    assert modeling_utils.gather_neurons is gather_neurons  # a failed patch() leaves nothing wrapped
+        devices.patch(registry)
+    assert modeling_utils.gather_neurons is gather_neurons and not registry.sites  # nothing wrapped
