@@ -67,9 +67,11 @@ def main(argv=None) -> int:
         figure.tight_layout()
         figure.savefig(out / "scaling.png", dpi=120)
 
-    newest = {}  # the newest run of each provider's measurement, whatever else its row records
-    for row in sorted((r for r in rows if "measure" in r), key=lambda r: r.get("time", "")):
-        newest[row["provider"], row["measure"], row.get("locations")] = row
+    newest = {}  # the newest run: each provider's last measurement, from the ten minutes before the last row
+    measured = sorted((r for r in rows if "measure" in r), key=lambda r: r.get("time", ""))
+    for row in measured:
+        if _seconds(measured[-1]["time"]) - _seconds(row["time"]) <= 600:
+            newest[row["provider"], row["measure"], row.get("locations")] = row
     overhead = list(newest.values())
     if overhead:
         reference = {"train": newest.get(("peft-lora", "train", None)), "forward": newest.get(("bare", "forward", None))}
@@ -87,6 +89,12 @@ def main(argv=None) -> int:
         figure.tight_layout()
         figure.savefig(out / "overhead.png", dpi=120)
     return 0
+
+
+def _seconds(timestamp: str) -> float:
+    import datetime
+
+    return datetime.datetime.fromisoformat(timestamp).timestamp()
 
 
 if __name__ == "__main__":
