@@ -41,10 +41,11 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
                         help="keep rows whose KEY prints as VALUE (e.g. hidden=None); repeatable")
     options = parser.parse_args(argv)
-    rows = latest(read(options.jsonl))
+    every = read(options.jsonl)
     for condition in options.only:
         key, _, value = condition.partition("=")
-        rows = [row for row in rows if str(row.get(key)) == value]
+        every = [row for row in every if str(row.get(key)) == value]
+    rows = latest(every)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -88,7 +89,38 @@ def main(argv=None) -> int:
         axis.tick_params(axis="x", labelsize=7)
         figure.tight_layout()
         figure.savefig(out / "overhead.png", dpi=120)
+
+    runs = overhead_runs(sorted((r for r in every if "measure" in r), key=lambda r: r.get("time", "")))
+    if runs:
+        figure, axis = plt.subplots(figsize=(8, 4))
+        for (measure, reference, goal), marker in ((("train", "peft-lora", 1.03), "o"), (("forward", "bare", 1.05), "s")):
+            points = [(i, run[("pyvene_dist", measure)] / run[(reference, measure)]) for i, run in enumerate(runs)
+                      if ("pyvene_dist", measure) in run and (reference, measure) in run]
+            if points:
+                line = axis.plot(*zip(*points), marker=marker, linestyle="", label=f"pyvene_dist {measure}")[0]
+                axis.axhline(goal, color=line.get_color(), linewidth=0.8, linestyle="--")
+        axis.set(xlabel="run (oldest first, from 0)", ylabel="x reference (p50)",
+                 title="ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals")
+        axis.legend(loc="upper right")
+        figure.tight_layout()
+        figure.savefig(out / "overhead-runs.png", dpi=120)
     return 0
+
+
+def overhead_runs(rows):
+    """Overhead rows (oldest first) split into runs: a run ends where a (provider, measure) repeats.
+    Each run maps (provider, measure) to the p50 of its first row (the list-location forward)."""
+    runs, current, seen = [], {}, set()
+    for row in rows:
+        key = (row["provider"], row["measure"], row.get("locations"))
+        if key in seen:
+            runs.append(current)
+            current, seen = {}, set()
+        seen.add(key)
+        current.setdefault((row["provider"], row["measure"]), row["p50_ms"])
+    if current:
+        runs.append(current)
+    return runs
 
 
 def _seconds(timestamp: str) -> float:
