@@ -111,12 +111,13 @@ class Row:
     detail: str = ""
 
 
-def reason(strategy: str, world_size: int, dtype: str = "float32") -> str | None:
-    """Why this machine cannot run ``strategy`` at ``world_size`` in ``dtype``; None when it can."""
+def reason(strategy: str, world_size: int) -> str | None:
+    """Why this machine cannot run ``strategy`` at ``world_size``; None when it can. Every strategy
+    runs in every dtype the check offers (ZeRO's bf16 is judged by DeepSpeed's bf16 bound)."""
     return STRATEGIES[strategy](world_size)
 
 
-def validate(strategies: Iterable[str], world_sizes: Iterable[int], dtype: str = "float32") -> None:
+def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
     """Raise ``UsageError`` for an unknown strategy or more ranks than this machine has devices."""
     unknown = [name for name in strategies if name not in STRATEGIES and name != REFERENCE]
     if unknown:
@@ -125,7 +126,7 @@ def validate(strategies: Iterable[str], world_sizes: Iterable[int], dtype: str =
     too_many = [size for size in world_sizes if size > devices]
     if too_many:
         raise UsageError(f"--world-sizes {','.join(map(str, too_many))}: this machine has {devices} {what}")
-    planned = [(name, size, reason(name, size, dtype)) for name, size in plan(strategies, world_sizes)]
+    planned = [(name, size, reason(name, size)) for name, size in plan(strategies, world_sizes)]
     if not planned:
         raise UsageError(f"no strategy to compare with {REFERENCE}; known: {', '.join(STRATEGIES)}")
     if all(why is not None for _, _, why in planned):
@@ -165,7 +166,7 @@ def run(case: CheckCase, strategies: Iterable[str], world_sizes: Iterable[int], 
     rows = [Row(REFERENCE, 1, "reference", peak_memory_bytes=memory, memory=label,
                 seconds=time.monotonic() - started)]
     for done, (strategy, world_size) in enumerate(steps, start=1):
-        why = reason(strategy, world_size, case.dtype)
+        why = reason(strategy, world_size)
         progress(done, len(steps) + 1, f"{strategy} x{world_size}" + (" (unavailable)" if why else ""))
         if why is not None:
             rows.append(Row(strategy, world_size, "unavailable", detail=why))
