@@ -3,9 +3,10 @@
 LoReFT keeps its rotation orthogonal with ``torch.nn.utils.parametrizations.orthogonal``, which for a
 tall matrix is ``torch.linalg.householder_product(A, tau)`` of the reflectors under the diagonal. The
 forward is one LAPACK/cuSOLVER call; torch's backward (``householder_product_backward``) walks the
-reflectors one by one, about 550 operator calls for a rank-4 rotation, against LoRA's few for its
-adapters. A ReFT training step is bound by the host issuing kernels, and four such backwards were most
-of what it issued beyond LoRA's step (docs/benchmarks.md).
+reflectors one by one: the rank-4 rotation's forward and backward came to about 550 operator calls
+(profiler events), against LoRA's few per adapter. A ReFT training step can be bound by the host
+issuing kernels, and four such backwards were most of what it issued beyond LoRA's step
+(docs/benchmarks.md).
 
 The fix keeps the forward (the same ``householder_product`` call, so results are bit-identical) and
 computes the gradient from the compact WY form instead. With ``V`` the unit lower-trapezoidal
@@ -18,8 +19,9 @@ so for ``G = dL/dQ``, with ``W = M^-1 V1^T``, ``R = M^-T V^T G``, ``Z = R W^T`` 
     dL/dV   = V (S + S^T) - G W^T - [R^T; 0]        dL/dA = tril(dL/dV, -1)
     dL/dtau = -diag(Z) / tau^2
 
-one k x k triangular inverse and a handful of matrix products, batched like the input (about 90
-operator calls, 4 of them n x k products). It holds for any ``tau``, not only the orthogonal map's.
+one k x k triangular inverse and seven matrix products, batched like the input: about 100 operator
+calls, most of them views, whatever the rank; the rotation's forward and backward then come to about
+200. It holds for any ``tau``, not only the orthogonal map's.
 
 The closed form is used where it is exact and supported: real float32/float64 tensors that need a
 gradient, without ``out=`` and without ``__torch_function__`` subclasses; every other call is torch's,
