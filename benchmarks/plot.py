@@ -68,20 +68,16 @@ def main(argv=None) -> int:
         figure.tight_layout()
         figure.savefig(out / "scaling.png", dpi=120)
 
-    newest = {}  # the newest run: each provider's last measurement, from the ten minutes before the last row
-    measured = sorted((r for r in rows if "measure" in r), key=lambda r: r.get("time", ""))
-    for row in measured:
-        if _seconds(measured[-1]["time"]) - _seconds(row["time"]) <= 600:
-            newest[row["provider"], row["measure"], row.get("locations")] = row
-    overhead = list(newest.values())
-    if overhead:
-        reference = {"train": newest.get(("peft-lora", "train", None)), "forward": newest.get(("bare", "forward", None))}
+    runs = overhead_runs(sorted((r for r in every if "measure" in r), key=lambda r: r.get("time", "")))
+    if runs:
+        newest = runs[-1]
+        overhead = list(newest.values())
         figure, axis = plt.subplots(figsize=(8, 4))
         labels = [f"{r['provider']}\n{r['measure']}" + (f" ({r['locations']})" if r.get("locations") else "")
                   for r in overhead]
         bars = axis.bar(labels, [r["p50_ms"] for r in overhead])
         for bar, row in zip(bars, overhead):
-            base = reference[row["measure"]]
+            base = _first(newest, *REFERENCES[row["measure"]])
             if base is not None and base is not row:
                 axis.annotate(f"{row['p50_ms'] / base['p50_ms']:.3f}x", (bar.get_x() + bar.get_width() / 2,
                               bar.get_height()), ha="center", va="bottom", fontsize=8)
@@ -90,12 +86,11 @@ def main(argv=None) -> int:
         figure.tight_layout()
         figure.savefig(out / "overhead.png", dpi=120)
 
-    runs = overhead_runs(sorted((r for r in every if "measure" in r), key=lambda r: r.get("time", "")))
-    if runs:
         figure, axis = plt.subplots(figsize=(8, 4))
-        for (measure, reference, goal), marker in ((("train", "peft-lora", 1.03), "o"), (("forward", "bare", 1.05), "s")):
-            points = [(i, run[("pyvene_dist", measure)] / run[(reference, measure)]) for i, run in enumerate(runs)
-                      if ("pyvene_dist", measure) in run and (reference, measure) in run]
+        for measure, goal, marker in (("train", 1.03, "o"), ("forward", 1.05, "s")):
+            pairs = [(i, _first(run, "pyvene_dist", measure), _first(run, *REFERENCES[measure]))
+                     for i, run in enumerate(runs)]
+            points = [(i, row["p50_ms"] / base["p50_ms"]) for i, row, base in pairs if row and base]
             if points:
                 line = axis.plot(*zip(*points), marker=marker, linestyle="", label=f"pyvene_dist {measure}")[0]
                 axis.axhline(goal, color=line.get_color(), linewidth=0.8, linestyle="--")
@@ -107,26 +102,28 @@ def main(argv=None) -> int:
     return 0
 
 
+#: What each overhead measurement is compared with: (provider, measure).
+REFERENCES = {"train": ("peft-lora", "train"), "forward": ("bare", "forward")}
+
+
 def overhead_runs(rows):
-    """Overhead rows (oldest first) split into runs: a run ends where a (provider, measure) repeats.
-    Each run maps (provider, measure) to the p50 of its first row (the list-location forward)."""
-    runs, current, seen = [], {}, set()
+    """Overhead rows (oldest first) split into runs, each ``{(provider, measure, locations): row}``: a run
+    ends where such a key repeats."""
+    runs, current = [], {}
     for row in rows:
         key = (row["provider"], row["measure"], row.get("locations"))
-        if key in seen:
+        if key in current:
             runs.append(current)
-            current, seen = {}, set()
-        seen.add(key)
-        current.setdefault((row["provider"], row["measure"]), row["p50_ms"])
+            current = {}
+        current[key] = row
     if current:
         runs.append(current)
     return runs
 
 
-def _seconds(timestamp: str) -> float:
-    import datetime
-
-    return datetime.datetime.fromisoformat(timestamp).timestamp()
+def _first(run, provider, measure):
+    """The run's first row of ``provider``'s ``measure`` (for a forward, the list-location one), or None."""
+    return next((row for (p, m, _), row in run.items() if (p, m) == (provider, measure)), None)
 
 
 if __name__ == "__main__":
