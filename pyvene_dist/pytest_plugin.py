@@ -8,9 +8,9 @@
     def test_data_parallel(): ...  # skipped, saying so, on a machine with fewer than 2 GPUs
 
 Marker ``world_size(*sizes, backend=None, timeout=None)``. The backend is ``--world-backend``
-(``auto``: nccl when there are at least as many GPUs as ranks, gloo on a machine without GPUs); a size
-that needs more GPUs than the machine has is skipped with the number it needs. ``timeout`` (default ``--world-timeout``,
-300 s) bounds the whole world: past it, every live rank's stack is printed and the test fails.
+(``auto``: nccl on a machine with GPUs, gloo on one without); a size that needs more GPUs than the
+machine has is skipped with the number it needs. ``timeout`` (default ``--world-timeout``, 300 s)
+bounds the whole world: past it, every live rank's stack is printed and the test fails.
 Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works).
 
 Loaded through the ``pytest11`` entry point; importing it imports nothing but pytest.
@@ -100,12 +100,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 def _backend(config: pytest.Config, marker: pytest.Mark, world_size: int) -> str:
     backend = marker.kwargs.get("backend") or config.getoption("--world-backend")
     found = _gpu_count()
-    if backend == "auto":
-        if found >= world_size:
-            return "nccl"
-        if found:  # ranks would share or lack GPUs (DeepSpeed and FSDP place rank r on cuda:r)
-            pytest.skip(f"needs {world_size} GPUs for nccl, found {found} (without GPUs it runs over gloo)")
-        return "gloo"
+    if backend == "auto":  # with some GPUs, ranks run on them (DeepSpeed and FSDP place rank r on cuda:r)
+        backend = "nccl" if found else "gloo"
     if backend == "nccl" and found < world_size:
         pytest.skip(f"needs {world_size} GPUs for nccl, found {found}")
     return backend
