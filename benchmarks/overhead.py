@@ -18,7 +18,6 @@ No assertion: the ratios are read from the rows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import sys

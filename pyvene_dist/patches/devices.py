@@ -81,10 +81,10 @@ def _scatter_arguments(tensor_input, replacing_tensor_input, component, unit, un
 
 
 def _check_signature(function, arguments) -> None:
-    expected = inspect.signature(arguments)
-    if inspect.signature(function) != expected:
+    found, expected = inspect.signature(function), inspect.signature(arguments)
+    if found != expected:
         raise TypeError(
-            f"{function.__module__}.{function.__qualname__}{inspect.signature(function)} is not the signature "
+            f"{function.__module__}.{function.__qualname__}{found} is not the signature "
             f"pyvene_dist was written for, {function.__name__}{expected}: the installed pyvene differs"
         )
 
