@@ -26,7 +26,7 @@ CONCERNS = (
     "devices",
     "locations",
     "parametrizations",
-    "half_precision",
+    "orthogonal",
     "householder",
     "data_parallel",
     "device_map",
@@ -61,7 +61,7 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 #: Concerns with no upstream diff: they change what torch's wrappers do (DataParallel's scatter,
 #: DDP's and FSDP's setup, the orthogonal parametrization in half precision, the Householder
 #: product's backward), which pyvene and pyreft cannot reach. docs/upstreaming.md says why.
-RUNTIME_ONLY = ("data_parallel", "consistency", "fsdp", "half_precision", "householder")
+RUNTIME_ONLY = ("data_parallel", "consistency", "fsdp", "orthogonal", "householder")
 #: A runtime concern built on another's runtime code keeps that one applied while it is applied itself.
 BUILT_ON: dict[str, tuple[str, ...]] = {"checkpointing": ("hooks",)}
 #: Packages that may be missing; a missing one has nothing to fix.

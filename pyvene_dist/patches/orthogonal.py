@@ -1,0 +1,204 @@
+"""LoReFT's orthogonal rotation: it works when a framework casts it to half precision, and on a GPU its
+forward and backward replay from CUDA graphs.
+
+LoReFT keeps its rotation orthogonal with ``torch.nn.utils.parametrizations.orthogonal``: a tall matrix
+``X`` (hidden x rank) becomes the Householder product of the reflectors under its diagonal, each
+column's sign read from the diagonal, times a fixed orthogonal ``base`` buffer. Both fixes wrap that
+map's forward (torch's ``_Orthogonal.forward``), which pyvene and pyreft do not own: this concern has no
+upstream diff (``docs/upstreaming.md``).
+
+**Half precision.** DeepSpeed's ``bf16`` (and ``fp16``) mode casts every parameter, the rotation's raw
+matrix included (not the float32 ``base``), and ``torch.linalg.householder_product`` has no
+half-precision kernel: ``NotImplementedError: "orgqr_cpu" not implemented for 'BFloat16'`` at the first
+forward. A half-precision matrix is orthogonalised in float32 and returned in its own dtype.
+
+**CUDA graphs.** The rotation depends on the intervention's weights only, yet eagerly it is some 35
+small kernels each way: an H200 host takes about 300 us to issue its forward and 1,000 us its backward,
+per application, most of what a ReFT training step issues beyond a LoRA step (docs/benchmarks.md).
+Replayed from a graph, each direction is one launch. ``rotation(orthogonal, X)`` returns what
+``orthogonal(X)`` returns from two graphs captured for this module and this storage of ``X``: the
+forward (torch's own kernels, op for op, so the same values) and the backward (the closed form of
+``patches.householder``, chained through ``tau``, the signs and ``base``; it recomputes what it needs
+from ``X``, so gradients equal eager ones to rounding). Under autocast (HF Trainer's ``bf16=True``) the
+forward is captured under the caller's autocast, so it runs the eager kernels, bf16 product included, and
+the backward takes that product's gradient in bf16 as autograd does, the rest in float32.
+
+Graphs are used for float32 tall matrices on CUDA with a ``base`` (``use_trivialization=True``, torch's
+default and pyreft's), outside ``torch.compile`` and another capture, for a module that is not a
+DataParallel replica and a plain tensor (not a DeepSpeed partition or a DTensor). They are captured at
+the ``WARM_CALLS``-th call with the same storage, strides and settings, and again when the storage of
+``X`` or ``base`` changes (a move, an assigning load), the float32 matmul settings or the autocast state
+change. In-place
+updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as the graphs read
+the storage itself; an update between a forward and its backward fails as autograd's own check does.
+``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()`` turns the graphs off (torch's eager rotation).
+
+Checked with torch 2.11 and 2.13 and deepspeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+
+SITES = ("torch.nn.utils.parametrizations:_Orthogonal.forward",)
+
+_HALF = (torch.bfloat16, torch.float16)
+#: Calls with the same storage before the graphs are captured: the first calls stay eager, so that a
+#: rotation used once (an evaluation, a setup) costs no capture.
+WARM_CALLS = 3
+#: Set by ``patch()`` from ``PYVENE_DIST_CUDA_GRAPHS``.
+GRAPHS = True
+
+
+def patch(registry) -> None:
+    from torch.nn.utils.parametrizations import _Orthogonal
+
+    global GRAPHS
+    switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
+    GRAPHS = switch == "1"
+    registry.wrap(_Orthogonal, "forward", _wrap_orthogonal_forward)
+
+
+def _wrap_orthogonal_forward(wrapped, instance, args, kwargs):
+    (X,) = args
+    if X.dtype in _HALF:
+        return wrapped(X.float()).to(X.dtype)
+    replayed = rotation(instance, X) if GRAPHS else None
+    return replayed if replayed is not None else wrapped(X)
+
+
+_graphs: "weakref.WeakKeyDictionary[torch.nn.Module, _Graphs]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
+    """``orthogonal(X)`` from CUDA graphs, or ``None`` where they do not apply (see the module docstring)."""
+    if not _applies(orthogonal, X):
+        return None
+    key = _key(orthogonal, X)
+    with _lock:
+        graphs = _graphs.get(orthogonal)
+        if graphs is None or graphs.key != key:
+            graphs = _graphs[orthogonal] = _Graphs(key)
+        if graphs.forward_graph is None:
+            graphs.calls += 1
+            if graphs.calls < WARM_CALLS:
+                return None
+            graphs.capture(X, orthogonal.base)
+    if torch.is_grad_enabled() and X.requires_grad:
+        return _Replay.apply(X, graphs)
+    return graphs.replay_forward()
+
+
+def _applies(orthogonal, X) -> bool:
+    base = getattr(orthogonal, "base", None)
+    return (
+        X.is_cuda
+        and X.dtype == torch.float32
+        and X.dim() == 2
+        and X.size(0) >= X.size(1)
+        and isinstance(base, torch.Tensor)
+        and base.dtype == torch.float32
+        and type(X) in (torch.Tensor, torch.nn.Parameter)
+        and not hasattr(X, "ds_id")
+        and not getattr(orthogonal, "_is_replica", False)
+        and str(getattr(orthogonal, "orthogonal_map", "")).endswith("householder")
+        and not torch.compiler.is_compiling()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _key(orthogonal, X) -> tuple:
+    base = orthogonal.base
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return (X.data_ptr(), X.shape, X.stride(), X.device, base.data_ptr(), base.shape, base.stride(),
+            torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), autocast)
+
+
+class _Graphs:
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.calls = 0
+        self.forward_graph: torch.cuda.CUDAGraph | None = None
+        self.backward_graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self, X: torch.Tensor, base: torch.Tensor) -> None:
+        """Capture under the caller's autocast state (the forward's kernels are then the eager ones), the
+        backward without autocast, as autograd runs it."""
+        device = X.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        no_autocast = torch.autocast("cuda", enabled=False)
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):  # warm up on a side stream (cuSOLVER and cuBLAS workspaces), as capture requires
+                grad_Q = torch.zeros_like(_forward(X, base))  # bf16 under autocast, as the gradient arrives
+                with no_autocast:
+                    _backward(X, base, grad_Q)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.grad_Q = grad_Q
+        forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # Separate memory pools: with a shared one, one graph's intermediates could land on the other's
+        # output. thread_local: a DataLoader or other thread using CUDA meanwhile does not break the capture.
+        # Autocast's cast cache is left alone: what is cast here (base) is no leaf that requires grad.
+        with torch.no_grad():
+            with torch.cuda.graph(forward_graph, capture_error_mode="thread_local"):
+                self.Q = _forward(X, base)
+            with no_autocast, torch.cuda.graph(backward_graph, capture_error_mode="thread_local"):
+                self.grad_X = _backward(X, base, self.grad_Q)
+        self.forward_graph, self.backward_graph = forward_graph, backward_graph
+
+    def replay_forward(self) -> torch.Tensor:
+        self.forward_graph.replay()
+        return self.Q.clone()  # the graph's buffer is overwritten by the next replay
+
+    def replay_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.grad_Q.copy_(grad)
+        self.backward_graph.replay()
+        return self.grad_X.clone()
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, graphs):
+        ctx.save_for_backward(X)  # unpacked in backward: autograd's check that X was not changed in place
+        ctx.graphs = graphs
+        return graphs.replay_forward()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        _ = ctx.saved_tensors  # raises, as autograd does, if X was modified in place since the forward
+        return ctx.graphs.replay_backward(grad), None
+
+
+def _reflectors(X):
+    A = X.tril(diagonal=-1)
+    tau = 2.0 / (1.0 + (A * A).sum(dim=-2))
+    signs = X.diagonal(dim1=-2, dim2=-1).int().unsqueeze(-2)
+    return A, tau, signs
+
+
+def _forward(X, base):
+    """torch's ``_Orthogonal.forward`` for a tall matrix with a base, op for op."""
+    A, tau, signs = _reflectors(X)
+    Q = torch._C._linalg.linalg_householder_product(A, tau)
+    return base @ (Q * signs)
+
+
+def _backward(X, base, grad_Q):
+    """d loss / d X for ``_forward``, given d loss / d (its output), outside autocast. A bf16 ``grad_Q``
+    means the forward ran under bf16 autocast: the last product's gradient is then taken in bf16 and
+    cast up, as autograd does with that product's backward; the rest is float32."""
+    from .householder import householder_product_backward
+
+    A, tau, signs = _reflectors(X)
+    grad_Qs = (base.to(grad_Q.dtype).mT @ grad_Q).to(X.dtype)  # the casts are no-ops without autocast
+    grad_A, grad_tau = householder_product_backward(A, tau, grad_Qs * signs)
+    grad_A.addcmul_(A, (tau.square() * grad_tau).unsqueeze(-2), value=-1)  # through tau = 2 / (1 + |a|^2)
+    return grad_A.tril_(-1)  # the diagonal (signs, read with .int()) and above get no gradient

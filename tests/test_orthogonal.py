@@ -1,0 +1,234 @@
+"""pyvene_dist.patches.orthogonal: LoReFT's rotation replayed from CUDA graphs (its half-precision fix is
+tested with DeepSpeed's bf16 engine in test_deepspeed.py).
+
+On CPU: the two functions the graphs capture equal torch's forward (bit for bit) and its gradient (to
+rounding), in float32, float64 and under bf16 autocast; the switch. On a GPU: a step is two graph
+launches; replays equal eager results, see in-place updates, recapture on a new storage and a new
+autocast state, equal eager results under autocast, refuse an update between forward and backward as
+autograd does, and stand aside inside another capture; ReFT training matches eager training.
+"""
+
+import copy
+import weakref
+
+import pytest
+import torch
+
+import pyvene_dist
+from pyvene_dist.patches import orthogonal as graphed
+
+
+def _rotation(device="cpu", hidden=64, rank=4, seed=0):
+    """pyreft's LoReFT rotation (its parametrized layer), moved off its initial point below the diagonal."""
+    import pyreft
+
+    torch.manual_seed(seed)
+    intervention = pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=rank, dtype=torch.float32)
+    rotate = intervention.rotate_layer.to(device)
+    original = rotate.parametrizations.weight.original
+    with torch.no_grad():
+        noise = torch.randn(original.shape, generator=torch.Generator().manual_seed(seed))
+        original.add_(0.1 * noise.tril(-1).to(device))
+    return rotate
+
+
+def _parts(rotate):
+    return rotate.parametrizations.weight[0], rotate.parametrizations.weight.original
+
+
+def _loss(weight):
+    """A loss whose gradient differs in every entry (not a plain sum)."""
+    return (weight.square() * torch.arange(weight.numel(), device=weight.device).view_as(weight)).sum()
+
+
+def test_captured_forward_is_torchs_op_for_op():
+    orthogonal, X = _parts(_rotation())
+    with torch.no_grad():  # unpatched: orthogonal(X) is torch's own forward
+        assert torch.equal(graphed._forward(X, orthogonal.base), orthogonal(X))
+
+
+def test_captured_backward_is_the_gradient_of_torchs_forward():
+    orthogonal, X = _parts(_rotation())
+    grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3))
+    (expected,) = torch.autograd.grad(orthogonal(X), X, grad_Q)  # unpatched: torch's own backward
+    with torch.no_grad():
+        got = graphed._backward(X, orthogonal.base, grad_Q)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("value", "graphs"), [("0", False), ("1", True)])
+def test_the_switch(monkeypatch, value, graphs):
+    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", value)
+    with pyvene_dist.patched():
+        assert graphed.GRAPHS is graphs
+
+
+def test_a_bad_switch_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='yes': expected 0 .* or 1"):
+        pyvene_dist.patch()
+    assert not pyvene_dist.is_patched()
+
+
+def test_captured_backward_at_the_benchmarks_shape_in_float64():
+    """The closed form's arithmetic at a Llama-1B hidden size, where float64 leaves no room for rounding."""
+    orthogonal, X = _parts(_rotation(hidden=2048).double())
+    grad_Q = torch.randn(X.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (expected,) = torch.autograd.grad(orthogonal(X), X, grad_Q)
+    with torch.no_grad():
+        got = graphed._backward(X, orthogonal.base, grad_Q)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_captured_functions_under_bf16_autocast_are_torchs():
+    """Under autocast the forward's last product runs in bf16 (and so its gradient): the captured forward
+    runs the same kernels, the backward takes that product's gradient in bf16 as autograd does."""
+    orthogonal, X = _parts(_rotation(hidden=256))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = orthogonal(X)
+        with torch.no_grad():
+            got = graphed._forward(X, orthogonal.base)
+    assert expected.dtype == torch.bfloat16 and torch.equal(got, expected)
+    grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    (expected_grad,) = torch.autograd.grad(expected, X, grad_Q)
+    with torch.no_grad():
+        got_grad = graphed._backward(X, orthogonal.base, grad_Q)
+    assert got_grad.dtype == torch.float32
+    assert _relative_error(got_grad, expected_grad) < 1e-5
+
+
+def _relative_error(got, expected):
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.gpus(1)
+def test_replays_follow_optimizer_updates_with_torchs_results(monkeypatch):
+    """Each SGD step: the replayed rotation equals torch's own float32 forward bit for bit, and its gradient
+    equals torch's own float32 gradient to rounding (normwise relative 1e-5), at the benchmarks' shape."""
+    rotate = _rotation("cuda", hidden=2048)
+    orthogonal, X = _parts(rotate)
+    optimizer = torch.optim.SGD([X], lr=0.1)
+    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    start = X.detach().clone()
+    for step in range(4):
+        expected = orthogonal(X)  # unpatched: torch's forward and backward
+        (expected_grad,) = torch.autograd.grad(_loss(expected), X)
+        with pyvene_dist.patched():
+            weight = rotate.weight
+            _loss(weight).backward()
+            assert graphed._graphs[orthogonal].forward_graph is not None, f"step {step}: not replayed"
+        assert torch.equal(weight, expected), f"step {step}: forward differs"
+        error = _relative_error(X.grad, expected_grad)
+        print(f"step {step}: gradient relative error {error:.2e}")
+        assert error < 1e-5, f"step {step}: gradient relative error {error:.2e}"
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not torch.equal(X, start), "the steps did not change the rotation"
+
+
+@pytest.mark.gpus(1)
+def test_a_step_is_two_graph_launches(patched):
+    rotate = _rotation("cuda", hidden=256)
+    for _ in range(graphed.WARM_CALLS + 1):
+        _loss(rotate.weight).backward()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        _loss(rotate.weight).backward()
+        torch.cuda.synchronize()
+    names = [event.name for event in profile.events()]
+    assert names.count("cudaGraphLaunch") == 2, sorted(set(names))
+    assert names.count("aten::linalg_householder_product") == 0
+
+
+@pytest.mark.gpus(1)
+def test_a_new_storage_is_captured_again(patched):
+    rotate = _rotation("cuda", hidden=256)
+    orthogonal, original = _parts(rotate)
+    for _ in range(graphed.WARM_CALLS + 1):
+        rotate.weight
+    first = graphed._graphs[orthogonal]
+    assert first.forward_graph is not None
+    original.data = original.data.clone()  # a new storage, as a move or an assigning load gives
+    with torch.no_grad():
+        original.data[1, 0] += 0.5
+    for _ in range(graphed.WARM_CALLS + 1):
+        weight = rotate.weight
+    assert graphed._graphs[orthogonal] is not first
+    assert graphed._graphs[orthogonal].forward_graph is not None
+    pyvene_dist.unpatch()
+    assert torch.equal(weight, orthogonal(original))  # torch's own forward of the changed matrix
+
+
+@pytest.mark.gpus(1)
+def test_an_update_between_forward_and_backward_is_refused_as_eager(patched):
+    rotate = _rotation("cuda", hidden=256)
+    _, original = _parts(rotate)
+    for _ in range(graphed.WARM_CALLS + 1):
+        weight = rotate.weight
+    assert graphed._graphs, "not captured"
+    with torch.no_grad():
+        original.add_(0.01)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _loss(weight).backward()
+
+
+@pytest.mark.gpus(1)
+def test_under_autocast_replays_equal_eager_and_a_new_state_is_captured_again(patched):
+    rotate = _rotation("cuda", hidden=2048)
+    orthogonal, X = _parts(rotate)
+    results = {}
+    for autocast in (True, False):  # captured under autocast, then again without
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            for _ in range(graphed.WARM_CALLS + 1):
+                weight = rotate.weight
+        _loss(weight.float()).backward()
+        results[autocast] = weight.detach().clone(), X.grad.clone()
+        X.grad = None
+        assert graphed._graphs[orthogonal].forward_graph is not None, f"autocast={autocast}: not replayed"
+    pyvene_dist.unpatch()
+    for autocast, (weight, grad) in results.items():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            expected = orthogonal(X)  # torch's own forward and backward
+        (expected_grad,) = torch.autograd.grad(_loss(expected.float()), X)
+        assert weight.dtype == (torch.bfloat16 if autocast else torch.float32)
+        assert torch.equal(weight, expected), f"autocast={autocast}: forward differs"
+        error = _relative_error(grad, expected_grad)
+        assert error < 1e-5, f"autocast={autocast}: gradient relative error {error:.2e}"
+
+
+@pytest.mark.gpus(1)
+def test_no_graph_inside_a_capture(patched):
+    orthogonal, X = _parts(_rotation("cuda", hidden=256))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(graphed.WARM_CALLS + 1):
+            graphed.rotation(orthogonal, X)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        assert graphed.rotation(orthogonal, X) is None
+        captured = orthogonal(X)  # torch's kernels, captured into the caller's graph
+    graph.replay()
+    with torch.no_grad():
+        assert torch.equal(captured, graphed._forward(X, orthogonal.base))
+
+
+@pytest.mark.gpus(1)
+def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch):
+    """The parity harness's ReFT training on one GPU: per-step losses, intervention gradients and final
+    weights with the rotations replayed from graphs equal those of the eager rotations."""
+    from pyvene_dist.testing import ParityCase, assert_parity, train
+    from pyvene_dist.testing.parity import Strategy
+
+    case = ParityCase(steps=4)
+    monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(graphed, "GRAPHS", False)
+    eager = train(case, Strategy("cuda:0"))
+    assert not graphed._graphs
+    monkeypatch.setattr(graphed, "GRAPHS", True)
+    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    replayed = train(case, Strategy("cuda:0"))
+    assert graphed._graphs, "no rotation was captured"
+    assert_parity(eager, replayed, case.tolerance)
