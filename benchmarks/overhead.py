@@ -4,7 +4,9 @@
     python benchmarks/overhead.py --smoke                                       # CPU, tiny model
 
 Providers: ``bare`` (the HF model alone), ``peft-lora`` (LoRA rank 8 on q and v at the same layers),
-``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``).
+``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``);
+on a GPU also ``pyvene_dist-eager-rotation``, its training step with LoReFT's rotation computed eagerly
+(``patches.orthogonal``'s CUDA graphs off), which shows what the graphs save.
 Measured: a training step (forward, backward, AdamW step) and a no-grad forward, each step timed on its
 own (the GPU drained before and after); p20/p50/p80 over ``--steps``; one JSONL row each.
 
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     with pyvene_dist.patched():  # LoRA's and the bare model's steps do not touch what it wraps
         reft, fast = _reft_steps(model, ids, locations, layers, tensor_forward=True)
         trains = {**({("peft-lora", None): lora_step} if lora_step else {}), ("pyvene_dist", None): fast["train"]}
+        if device.type == "cuda":  # the same step with LoReFT's rotation eager, as before its CUDA graphs
+            trains["pyvene_dist-eager-rotation", None] = _without_rotation_graphs(fast["train"])
         forwards = {("bare", None): bare_forward, ("pyvene_dist", "list"): fast["forward:list"],
                     ("pyvene_dist", "tensor"): fast["forward:tensor"]}
         for measure, steps, mode in (("train", trains, reft.train), ("forward", forwards, reft.eval)):
@@ -156,10 +160,25 @@ def main(argv=None) -> int:
     p50 = {(r["provider"], r["measure"]): r["p50_ms"] for r in rows if r["locations"] in (None, "list")}
     if ("peft-lora", "train") in p50:
         print(f"ReFT train / LoRA train: pyvene {p50[('pyvene', 'train')] / p50[('peft-lora', 'train')]:.3f}, "
-              f"pyvene_dist {p50[('pyvene_dist', 'train')] / p50[('peft-lora', 'train')]:.3f}")
+              f"pyvene_dist {p50[('pyvene_dist', 'train')] / p50[('peft-lora', 'train')]:.3f}"
+              + (f", pyvene_dist with the rotation eager {eager / p50[('peft-lora', 'train')]:.3f}"
+                 if (eager := p50.get(("pyvene_dist-eager-rotation", "train"))) else ""))
     print(f"ReFT forward / bare forward: pyvene {p50[('pyvene', 'forward')] / p50[('bare', 'forward')]:.3f}, "
           f"pyvene_dist {p50[('pyvene_dist', 'forward')] / p50[('bare', 'forward')]:.3f}")
     return 0
+
+
+def _without_rotation_graphs(step):
+    from pyvene_dist.patches import orthogonal
+
+    def eager_step():
+        orthogonal.GRAPHS = False
+        try:
+            step()
+        finally:
+            orthogonal.GRAPHS = True
+
+    return eager_step
 
 
 def _lora_step(model, ids, layers):

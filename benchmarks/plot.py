@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         newest = runs[-1]
         overhead = list(newest.values())
         figure, axis = plt.subplots(figsize=(8, 4))
-        labels = [f"{r['provider']}\n{r['measure']}" + (f" ({r['locations']})" if r.get("locations") else "")
+        labels = [f"{_wrapped(r['provider'])}\n{r['measure']}" + (f" ({r['locations']})" if r.get("locations") else "")
                   for r in overhead]
         bars = axis.bar(labels, [r["p50_ms"] for r in overhead])
         for bar, row in zip(bars, overhead):
@@ -87,13 +87,16 @@ def main(argv=None) -> int:
         figure.savefig(out / "overhead.png", dpi=120)
 
         figure, axis = plt.subplots(figsize=(8, 4))
-        for measure, goal, marker in (("train", 1.03, "o"), ("forward", 1.05, "s")):
-            pairs = [(i, _first(run, "pyvene_dist", measure), _first(run, *REFERENCES[measure]))
+        series = (("pyvene_dist", "train", 1.03, "o"), ("pyvene_dist", "forward", 1.05, "s"),
+                  ("pyvene_dist-eager-rotation", "train", None, "x"))  # the last: without the rotation's graphs
+        for provider, measure, goal, marker in series:
+            pairs = [(i, _first(run, provider, measure), _first(run, *REFERENCES[measure]))
                      for i, run in enumerate(runs)]
             points = [(i, row["p50_ms"] / base["p50_ms"]) for i, row, base in pairs if row and base]
             if points:
-                line = axis.plot(*zip(*points), marker=marker, linestyle="", label=f"pyvene_dist {measure}")[0]
-                axis.axhline(goal, color=line.get_color(), linewidth=0.8, linestyle="--")
+                line = axis.plot(*zip(*points), marker=marker, linestyle="", label=f"{provider} {measure}")[0]
+                if goal is not None:
+                    axis.axhline(goal, color=line.get_color(), linewidth=0.8, linestyle="--")
         axis.set(xlabel="run (oldest first, from 0)", ylabel="x reference (p50)",
                  title="ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals")
         axis.legend(loc="upper right")
@@ -119,6 +122,13 @@ def overhead_runs(rows):
     if current:
         runs.append(current)
     return runs
+
+
+def _wrapped(name: str) -> str:
+    """A provider's name on lines of at most 14 characters, broken after hyphens."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(name, 14, break_on_hyphens=True))
 
 
 def _first(run, provider, measure):

@@ -14,6 +14,10 @@ all ranks' tokens over that window. Rows also hold per-GPU batch, tokens per ste
 parameter bytes held by rank 0, GPU, versions, time. No assertion: speed is read from the rows, as
 ratios within one run.
 
+``--profile DIR``: after the window, every rank profiles a few more steps (each timed on its own) and
+writes its operators by host time to ``DIR/<strategy>-x<world size>-rank<rank>.txt``: where a rank's
+host time goes, and whether it waits for another rank.
+
 Strategy ``independent`` is a diagnostic, not a parallel strategy: every process trains its own copy on
 its own GPU with no communication at all. Against world size 1 it shows what sharing one host costs.
 """
@@ -52,7 +56,7 @@ class Run:
     zero: str = ""  # JSON merged into DeepSpeed's zero_optimization
 
 
-def rank_main(run: Run, out: str) -> None:
+def rank_main(run: Run, out: str, profile: str = "") -> None:
     import torch.distributed as dist
 
     import pyvene_dist
@@ -65,7 +69,8 @@ def rank_main(run: Run, out: str) -> None:
     independent = run.strategy == "independent"
     ranks_in_batch = 1 if independent else run.world_size
     case = ParityCase(model=run.model, hidden_size=run.hidden, num_layers=run.layers,
-                      batch_size=run.batch * ranks_in_batch, seq_len=run.seq_len, steps=run.warmup + 2 * run.steps,
+                      batch_size=run.batch * ranks_in_batch, seq_len=run.seq_len,
+                      steps=run.warmup + 2 * run.steps + (PROFILED_STEPS if profile else 0),
                       dtype=run.dtype, component=run.component,
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
                       checkpointing=None if run.checkpointing == "none" else run.checkpointing)
@@ -101,7 +106,7 @@ def rank_main(run: Run, out: str) -> None:
         if step >= run.warmup:
             times.append(time.perf_counter() - started)
             host.append(queued - started)
-    window = list(batches)
+    window = [next(batches) for _ in range(run.steps)]
     dist.barrier()
     drain()
     started = time.perf_counter()
@@ -109,6 +114,9 @@ def rank_main(run: Run, out: str) -> None:
         train_step(batch)
     drain()
     window_s = time.perf_counter() - started
+    if profile:
+        _profile(train_step, [next(batches) for _ in range(PROFILED_STEPS)], drain,
+                 Path(profile) / f"{run.strategy}-x{run.world_size}-rank{dist.get_rank()}.txt")
     if dist.get_rank() == 0:
         times.sort()
         host.sort()
@@ -130,6 +138,23 @@ def rank_main(run: Run, out: str) -> None:
         if getattr(strategy, "engine", None) is not None:  # what DeepSpeed ran with, knobs included
             row["zero_optimization"] = strategy.engine.config["zero_optimization"]
         Path(out).write_text(json.dumps(row))
+
+
+PROFILED_STEPS = 3
+
+
+def _profile(train_step, batches, drain, path: Path) -> None:
+    """Each rank's host time by operator over a few steps, each timed on its own (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        for batch in batches:
+            drain()
+            train_step(batch)
+            drain()
+    events = profiler.key_averages()
+    path.write_text(f"{len(batches)} steps\n" + events.table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 def _versions() -> dict:
@@ -163,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--zero", default="", help='JSON merged into zero_optimization, e.g. '
                         '\'{"stage3_max_live_parameters": 5e7, "stage3_max_reuse_distance": 0}\'')
     parser.add_argument("--out", default="benchmarks/results/scaling.jsonl")
+    parser.add_argument("--profile", help="a folder: each rank writes its profile of a few more steps there")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps")
     options = parser.parse_args(argv)
     if options.smoke:
@@ -171,6 +197,8 @@ def main(argv=None) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    if options.profile:
+        Path(options.profile).mkdir(parents=True, exist_ok=True)
     plan = [(s, int(w), c) for s in options.strategies.split(",") for w in options.world_sizes.split(",")
             for c in options.checkpointing.split(",")]
     for strategy, world_size, checkpointing in plan:
@@ -182,7 +210,7 @@ def main(argv=None) -> int:
                   options.hidden, options.layers, options.zero if strategy.startswith("zero") else "")
         with tempfile.TemporaryDirectory() as workdir:
             out = os.path.join(workdir, "row.json")
-            outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out),
+            outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out, options.profile or ""),
                             timeout=900)
             if outcome.failed or not os.path.exists(out):
                 print(f"{strategy} x{world_size} failed:\n{outcome.report()}", file=sys.stderr)

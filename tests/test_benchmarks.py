@@ -11,10 +11,13 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 pytestmark = pytest.mark.slow
 
 
-def test_scaling_smoke_writes_a_row_per_strategy_and_world_size(tmp_path):
-    out = tmp_path / "scaling.jsonl"
+def test_scaling_smoke_writes_a_row_per_strategy_and_world_size_and_profiles(tmp_path):
+    out, profiles = tmp_path / "scaling.jsonl", tmp_path / "profiles"
     subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--smoke", "--strategies", "ddp,fsdp2,zero3",
-                    "--out", str(out)], check=True, timeout=600)
+                    "--out", str(out), "--profile", str(profiles)], check=True, timeout=600)
+    expected = {f"{s}-x{w}-rank{r}.txt" for s in ("ddp", "fsdp2", "zero3") for w in (1, 2) for r in range(w)}
+    assert {path.name for path in profiles.iterdir()} == expected
+    assert all("aten::mm" in (profiles / name).read_text() for name in expected)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {(r["strategy"], r["world_size"]) for r in rows} == {(s, w) for s in ("ddp", "fsdp2", "zero3") for w in (1, 2)}
     assert all(r["p20_ms"] <= r["p50_ms"] <= r["p80_ms"] for r in rows)
