@@ -8,7 +8,7 @@ autocast state, equal eager results under autocast, refuse an update between for
 autograd does, and stand aside inside another capture; ReFT training matches eager training.
 """
 
-import copy
+import warnings
 import weakref
 
 import pytest
@@ -79,6 +79,28 @@ def test_captured_backward_at_the_benchmarks_shape_in_float64():
     with torch.no_grad():
         got = graphed._backward(X, orthogonal.base, grad_Q)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_failed_capture_warns_once_and_leaves_the_rotation_eager(patched, monkeypatch):
+    rotate = _rotation()
+    attempts = []
+
+    def capture(graphs, X, base):
+        attempts.append(X)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed, "_applies", lambda orthogonal, X: True)  # as on a GPU
+    monkeypatch.setattr(graphed._Graphs, "capture", capture)
+    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    with pytest.warns(RuntimeWarning, match="runs eagerly .*operation not permitted"):
+        first = rotate.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = rotate.weight
+    assert len(attempts) == 1
+    pyvene_dist.unpatch()
+    expected = rotate.weight
+    assert torch.equal(first, expected) and torch.equal(second, expected)
 
 
 def test_captured_functions_under_bf16_autocast_are_torchs():

@@ -31,6 +31,7 @@ the ``WARM_CALLS``-th call with the same storage, strides and settings, and agai
 change. In-place
 updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as the graphs read
 the storage itself; an update between a forward and its backward fails as autograd's own check does.
+A capture that fails (out of memory, say) warns once and leaves that rotation eager.
 ``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()`` turns the graphs off (torch's eager rotation).
 
 Checked with torch 2.11 and 2.13 and deepspeed 0.19.8.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -88,9 +90,16 @@ def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
             graphs = _graphs[orthogonal] = _Graphs(key)
         if graphs.forward_graph is None:
             graphs.calls += 1
-            if graphs.calls < WARM_CALLS:
+            if graphs.calls < WARM_CALLS or graphs.failed:
                 return None
-            graphs.capture(X, orthogonal.base)
+            try:
+                graphs.capture(X, orthogonal.base)
+            except RuntimeError as error:  # e.g. out of memory, or an operation capture does not allow
+                graphs.failed = True
+                warnings.warn(f"pyvene_dist: capturing LoReFT's rotation as CUDA graphs failed, so it runs "
+                              f"eagerly ({type(error).__name__}: {error}); PYVENE_DIST_CUDA_GRAPHS=0 skips "
+                              f"the attempt", RuntimeWarning, stacklevel=2)
+                return None
     if torch.is_grad_enabled() and X.requires_grad:
         return _Replay.apply(X, graphs)
     return graphs.replay_forward()
@@ -125,6 +134,7 @@ class _Graphs:
     def __init__(self, key: tuple) -> None:
         self.key = key
         self.calls = 0
+        self.failed = False  # a capture failed for this key: eager from then on
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.backward_graph: torch.cuda.CUDAGraph | None = None
 
