@@ -210,8 +210,8 @@ def main(argv=None) -> int:
                   options.hidden, options.layers, options.zero if strategy.startswith("zero") else "")
         with tempfile.TemporaryDirectory() as workdir:
             out = os.path.join(workdir, "row.json")
-            outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir, args=(run, out, options.profile or ""),
-                            timeout=900)
+            outcome = spawn(rank_main, world_size=world_size, backend=backend, workdir=workdir,
+                            args=(run, out, options.profile or ""), timeout=900)
             if outcome.failed or not os.path.exists(out):
                 print(f"{strategy} x{world_size} failed:\n{outcome.report()}", file=sys.stderr)
                 continue

@@ -11,7 +11,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 pytestmark = pytest.mark.slow
 
 
-def test_scaling_smoke_writes_a_row_per_strategy_and_world_size_and_profiles(tmp_path):
+def test_scaling_smoke_writes_rows_and_profiles(tmp_path):
     out, profiles = tmp_path / "scaling.jsonl", tmp_path / "profiles"
     subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--smoke", "--strategies", "ddp,fsdp2,zero3",
                     "--out", str(out), "--profile", str(profiles)], check=True, timeout=600)

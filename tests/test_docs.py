@@ -110,7 +110,7 @@ RUN_BY: dict[str, RunBy] = {
     ".venv/bin/python -m pytest tests/test_upstream_patches.py": RunBy("tests/test_upstream_patches.py", note="CI's "
                                                                        "pytest run includes this file"),
     "python benchmarks/scaling.py --strategies ddp,fsdp2,zero2,zero3 --world-sizes 1,2 --model llama-1b":
-        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_a_row_per_strategy_and_world_size",
+        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles",
               ('"--strategies", "ddp,fsdp2,zero3"',), note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 2 --model llama-1b "
     "--checkpointing non-reentrant --zero '{\"stage3_max_live_parameters\": 3e7, \"stage3_max_reuse_distance\": 0, "
@@ -120,7 +120,7 @@ RUN_BY: dict[str, RunBy] = {
     "python benchmarks/overhead.py": RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
                                            note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --smoke":
-        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_a_row_per_strategy_and_world_size", ('"--smoke"',)),
+        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
     "python benchmarks/overhead.py --smoke":
         RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
 }
