@@ -28,9 +28,9 @@ default and pyreft's), outside ``torch.compile`` and another capture, for a modu
 DataParallel replica and a plain tensor (not a DeepSpeed partition or a DTensor). They are captured at
 the ``WARM_CALLS``-th call with the same storage, strides and settings, and again when the storage of
 ``X`` or ``base`` changes (a move, an assigning load), the float32 matmul settings or the autocast state
-change. In-place
-updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as the graphs read
-the storage itself; an update between a forward and its backward fails as autograd's own check does.
+change. In-place updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as
+the graphs read the storage itself; an update between a forward and its backward fails as autograd's own
+check does.
 A capture that fails (out of memory, say) warns once and leaves that rotation eager.
 ``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()`` turns the graphs off (torch's eager rotation).
 
