@@ -172,11 +172,11 @@ def _without_rotation_graphs(step):
     from pyvene_dist.patches import orthogonal
 
     def eager_step():
-        orthogonal.GRAPHS = False
+        graphs, orthogonal.GRAPHS = orthogonal.GRAPHS, False
         try:
             step()
         finally:
-            orthogonal.GRAPHS = True
+            orthogonal.GRAPHS = graphs  # as patch() set it (PYVENE_DIST_CUDA_GRAPHS=0 leaves it off)
 
     return eager_step
 

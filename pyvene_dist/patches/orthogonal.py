@@ -49,8 +49,8 @@ import torch
 SITES = ("torch.nn.utils.parametrizations:_Orthogonal.forward",)
 
 _HALF = (torch.bfloat16, torch.float16)
-#: Calls with the same storage before the graphs are captured: the first calls stay eager, so that a
-#: rotation used once (an evaluation, a setup) costs no capture.
+#: The call (with the same storage and settings) at which the graphs are captured: the calls before it
+#: stay eager, so that a rotation used once (an evaluation, a setup) costs no capture.
 WARM_CALLS = 3
 #: Set by ``patch()`` from ``PYVENE_DIST_CUDA_GRAPHS``.
 GRAPHS = True
