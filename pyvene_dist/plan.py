@@ -296,7 +296,7 @@ def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) 
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     notes = ["GiB per GPU. The base model is frozen: no gradients or optimizer state for it. ZeRO settings: "
              + json.dumps({**ZERO_DEFAULTS, **run.zero}) + ". device_map: one process, the layers split over "
-             "the GPUs of one node, the batch whole."]
+             "the GPUs of one node, --batch its whole batch."]
     if not shape.llama_like:
         notes.append(f"{shape.name} is not a Llama-family decoder: its activations are estimated as if it were.")
     return "\n".join([header, *lines, *notes])
