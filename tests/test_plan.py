@@ -214,3 +214,15 @@ def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message, capsys)
     code, out, err = cli(capsys, *arguments)
     assert code == 2 and not out, (code, out, err)
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_the_documented_table_is_what_plan_prints(capsys, monkeypatch):
+    """docs/plan.md shows the command and its output: they must stay what plan prints (no GPU here: 80 GiB)."""
+    page = (ROOT / "docs" / "plan.md").read_text()
+    block = page.split("```console\n", 1)[1].split("```", 1)[0].splitlines()
+    command, shown = block[0], block[1:]
+    assert command.startswith("$ pyvene-dist plan ")
+    monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
+    code, out, err = cli(capsys, *command.split()[3:])
+    assert code == 0, err
+    assert out.splitlines() == shown
