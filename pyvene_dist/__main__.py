@@ -171,8 +171,8 @@ def _plan(arguments) -> int:
     layers = arguments.layers or ((0,) if shape.layers == 1 else (0, shape.layers - 1))
     outside = [layer for layer in layers if not 0 <= layer < shape.layers]
     if outside:
-        return _usage(f"--layers {','.join(map(str, layers))}: {arguments.model} has decoder layers 0-{shape.layers - 1}, "
-                      f"not {','.join(map(str, outside))}")
+        return _usage(f"--layers {','.join(map(str, layers))}: {arguments.model} has decoder layers "
+                      f"0-{shape.layers - 1}, not {','.join(map(str, outside))}")
     run = plan.Run(gpus=arguments.gpus, nodes=arguments.nodes, batch=arguments.batch, seq_len=arguments.seq_len,
                    dtype=arguments.dtype, rank=arguments.rank, layers=layers, attention=arguments.attention, zero=zero)
     estimates = plan.plan(shape, run)

@@ -155,7 +155,7 @@ def intervention_bytes(shape: Shape, run: Run) -> float:
     gradients and AdamW's two moments, all in the training dtype (fp32 master copies under ZeRO: at most 2x
     more of a few megabytes)."""
     count = len(run.layers) * (2 * shape.hidden * run.rank + run.rank)
-    return count * (run.bytes * 2 + 2 * max(run.bytes, 4))
+    return count * 4 * run.bytes
 
 
 def _layer_saved(shape: Shape, run: Run, tokens: int) -> float:
@@ -185,8 +185,9 @@ def _quadratic(shape: Shape, run: Run) -> bool:
 
 def _layer_backward_extra(shape: Shape, run: Run, tokens: int) -> float:
     """What one layer's backward allocates on top of what it saved: with the scores materialised, the
-    gradient of the softmax's input and output side by side (two [heads, seq, seq] tensors in fp32 or
-    in both dtypes); with fused attention, gradients of hidden size only."""
+    gradient of the softmax's input and output side by side (two [heads, seq, seq] tensors, in fp32 or in
+    fp32 and the model's dtype); with fused attention, the MLP's three gradients of intermediate size and a
+    few of hidden size."""
     if _quadratic(shape, run):
         e = run.bytes
         return tokens * shape.heads * run.seq_len * (2 * e if e == 4 else 4 + e)
