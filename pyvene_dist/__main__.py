@@ -1,7 +1,9 @@
-"""Command line: ``pyvene-dist check`` (also ``python -m pyvene_dist check``).
+"""Command line: ``pyvene-dist check`` and ``pyvene-dist plan`` (also ``python -m pyvene_dist ...``).
 
-Exit codes: 0 every strategy that ran agrees with one device; 1 one differs or failed; 2 a usage
-mistake (unknown strategy, missing model, more ranks than devices), reported as one line.
+``check`` exits 0 when every strategy that ran agrees with one device, 1 when one differs or failed.
+``plan`` prints the estimated memory per GPU of each strategy and exits 0. Both exit 2 on a usage
+mistake (unknown strategy, missing model, more ranks than devices, layers outside the model), reported
+as one line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,30 @@ def _steps(text: str) -> int:
     return int(text)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers are comma-separated integers, got {text!r}") from None
+    return layers
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"GPU memory is a positive number of GiB, got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     from .check import STRATEGIES
     from .testing.models import BASE_MODELS
@@ -52,11 +78,35 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     check.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
     check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
+    plan = commands.add_parser(
+        "plan", help="estimate the memory per GPU of ReFT training under each strategy",
+        description="Estimate the memory per GPU of ReFT training (the base model frozen) under DDP, FSDP2, ZeRO-2, "
+                    "ZeRO-3, ZeRO-3 with CPU offload and device_map, with and without gradient checkpointing, from "
+                    "the model's config alone (built on the meta device; nothing is downloaded or allocated).")
+    plan.add_argument("--model", required=True,
+                      help=f"a local directory with config.json, a config .json file, a hub name already in the "
+                           f"local cache, or built-in: {', '.join(sorted(BASE_MODELS))}")
+    plan.add_argument("--gpus", type=_positive, required=True, help="GPUs per node")
+    plan.add_argument("--nodes", type=_positive, default=1)
+    plan.add_argument("--batch", type=_positive, default=1, help="sequences per GPU (default: 1)")
+    plan.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default: 512)")
+    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    plan.add_argument("--rank", type=_positive, default=4, help="LoReFT rank (default: 4)")
+    plan.add_argument("--layers", type=_layers,
+                      help="comma-separated decoder layers with an intervention (default: the first and the last)")
+    plan.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
+    plan.add_argument("--zero", default="{}", help='ZeRO-3 settings over DeepSpeed\'s defaults, as in your config, '
+                      'e.g. \'{"stage3_max_live_parameters": 3e7, "reduce_bucket_size": 5e6}\'')
+    plan.add_argument("--gpu-memory", type=_gib, help="GiB per GPU (default: the first GPU's, or 80 without one)")
+    plan.add_argument("--json", action="store_true", help="print the estimates as JSON instead of a table")
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parser().parse_args(argv)
+    if arguments.command == "plan":
+        return _plan(arguments)
     from . import check, patch
 
     progress = check.Progress(sys.stderr)
@@ -94,6 +144,48 @@ def _case(arguments, world_sizes: list[int]):
                              f"feeds token ids up to {VOCAB_SIZE - 1}")
         case = dataclasses.replace(case, layers=layers)
     return dataclasses.replace(case, batch_size=batch_size(case, world_sizes))
+
+
+def _usage(message: str) -> int:
+    print(f"pyvene-dist: {message}", file=sys.stderr)
+    return 2
+
+
+def _plan(arguments) -> int:
+    import json
+
+    from . import plan
+
+    try:
+        zero = json.loads(arguments.zero)
+    except json.JSONDecodeError as error:
+        return _usage(f"--zero {arguments.zero!r} is not JSON ({error}); expected an object such as "
+                      '\'{"stage3_max_live_parameters": 3e7}\'')
+    if not isinstance(zero, dict):
+        return _usage(f"--zero {arguments.zero!r} is not a JSON object; expected one such as "
+                      '\'{"stage3_max_live_parameters": 3e7}\'')
+    try:
+        shape = plan.shape_of(plan.meta_model(arguments.model), name=arguments.model)
+    except ValueError as error:
+        return _usage(f"--model {error}")
+    layers = arguments.layers or ((0,) if shape.layers == 1 else (0, shape.layers - 1))
+    outside = [layer for layer in layers if not 0 <= layer < shape.layers]
+    if outside:
+        return _usage(f"--layers {','.join(map(str, layers))}: {arguments.model} has decoder layers "
+                      f"0-{shape.layers - 1}, not {','.join(map(str, outside))}")
+    run = plan.Run(gpus=arguments.gpus, nodes=arguments.nodes, batch=arguments.batch, seq_len=arguments.seq_len,
+                   dtype=arguments.dtype, rank=arguments.rank, layers=layers, attention=arguments.attention, zero=zero)
+    estimates = plan.plan(shape, run)
+    gpu_memory = arguments.gpu_memory or plan.detected_gpu_memory() or 80.0
+    if arguments.json:
+        print(json.dumps([{**dataclasses.asdict(found), "total": found.total,
+                           "total_checkpointed": found.total_checkpointed,
+                           "fits": plan.fits(found.total, gpu_memory),
+                           "fits_checkpointed": plan.fits(found.total_checkpointed, gpu_memory)}
+                          for found in estimates], indent=1))
+    else:
+        print(plan.table(shape, run, estimates, gpu_memory))
+    return 0
 
 
 if __name__ == "__main__":

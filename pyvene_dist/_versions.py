@@ -14,12 +14,14 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-#: Distribution name -> the releases the patches are tested against. pyreft is optional.
+#: Distribution name -> the releases the patches are tested against. pyreft is optional. torch: 2.11 on the
+#: H200s, 2.13 on CPU (and ``patches.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
+#: transformers: 5.17 on the H200s, 5.24 on CPU (4.x's checkpointing is simulated in tests, never run).
 SUPPORTED: dict[str, str] = {
     "pyvene": "==0.1.8",
     "pyreft": "==0.1.0",
-    "transformers": ">=4.55,<6",
-    "torch": ">=2.4",
+    "transformers": ">=5.17,<5.25",
+    "torch": ">=2.11,<2.14",
 }
 OPTIONAL = frozenset({"pyreft"})
 ALLOW_ENV = "PYVENE_DIST_ALLOW_UNSUPPORTED"

@@ -77,6 +77,11 @@ RUN_BY: dict[str, RunBy] = {
     "pip install --no-deps pyreft==0.1.0": RunBy("scripts/setup.sh", ("pip install --no-deps pyreft==0.1.0",)),
     ".venv/bin/pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
+    "pyvene-dist plan --model path/to/model --gpus 8 --nodes 2 --batch 8 --seq-len 1024":
+        RunBy("tests/test_plan.py::test_the_command_prints_every_strategy_and_whether_it_fits",
+              ('"--model", str(config_folder)', '"--gpus"', '"--batch"', '"--seq-len"')),
+    "pyvene-dist plan --model llama-1b --gpus 2 --batch 8 --seq-len 512 --layers 2,8":
+        RunBy("tests/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
     "pyvene-dist check --model path/to/model --strategies ddp":
         RunBy("tests/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
               ('"--model", str(tmp_path)', '"--strategies"')),
@@ -419,3 +424,61 @@ def test_the_patch_page_names_every_concern_and_what_it_wraps():
         sites = importlib.import_module(f"{patches.__name__}.{concern}").SITES
         unnamed = [site for site in sites if site.rsplit(":", 1)[-1].split(".")[-1] not in rows[concern]]
         assert not unnamed, f"docs/patches.md's row for {concern!r} does not name {unnamed}"
+
+
+# --- figures in README.md against the rows in benchmarks/results ------------------------------------------------
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _pairs(name: str, strategy: str, batch: int) -> list[float]:
+    """2-GPU over 1-GPU throughput of each run of ``strategy`` at ``batch`` per GPU: a 1-GPU row and the 2-GPU
+    row right after it."""
+    rows = [json.loads(line) for line in (RESULTS / name).read_text().splitlines()]
+    rows = [row for row in rows if row["strategy"] == strategy and row["batch"] == batch]
+    return [two["tokens_per_s"] / one["tokens_per_s"] for one, two in zip(rows, rows[1:])
+            if one["world_size"] == 1 and two["world_size"] == 2]
+
+
+def test_the_readme_ddp_figures_say_how_many_runs_back_them():
+    ddp_8 = _pairs("ddp-scaling-2xH200.jsonl", "ddp", 8) + _pairs("fsdp-scaling-2xH200.jsonl", "ddp", 8)
+    independent_8 = _pairs("ddp-scaling-2xH200.jsonl", "independent", 8)
+    (ddp_32,) = _pairs("ddp-scaling-2xH200.jsonl", "ddp", 32)  # one run: the README must say so
+    readme = (ROOT / "README.md").read_text()
+    expected = [f"{ddp_32:.2f} x at 32 x 512 tokens per GPU (one pair of runs",
+                f"{min(ddp_8):.2f}-{max(ddp_8):.2f} over {len(ddp_8)} pairs of runs",
+                f"{min(independent_8):.2f}-{max(independent_8):.2f} over {len(independent_8)})"]
+    missing = [text for text in expected if text not in readme]
+    assert not missing, f"README.md does not state what the rows give: {missing}"
+
+
+def test_the_readme_zero_figures_say_how_many_runs_back_them():
+    rows = [json.loads(line) for line in (RESULTS / "zero-memory-2xH200.jsonl").read_text().splitlines()]
+    at_59b = [row for row in rows if row.get("hidden") == 4096 and row["checkpointing"] == "non-reentrant"]
+    peak = {row["strategy"]: [r["peak_memory_gib"] for r in at_59b if r["strategy"] == row["strategy"]]
+            for row in at_59b}
+    assert all(len(found) == 1 for found in peak.values()), peak  # "one run each"
+    zero3, offload = peak["zero3"][0] / peak["ddp"][0], peak["zero3-offload"][0] / peak["ddp"][0]
+    stated = "0.59 x DDP's at 5.9B, 0.11 x with CPU offload (one run each"
+    assert f"{zero3:.2f}" == "0.59" and f"{offload:.2f}" == "0.11" and stated in (ROOT / "README.md").read_text()
+
+
+def test_the_supported_versions_are_the_tested_ones():
+    """README, setup.cfg and the version guard name the same ranges, and the releases the results and CI
+    ran lie inside them."""
+    from packaging.specifiers import SpecifierSet
+
+    from pyvene_dist._versions import SUPPORTED, installed_version
+
+    setup = (ROOT / "setup.cfg").read_text()
+    for name in ("torch", "transformers"):
+        assert f"    {name}{SUPPORTED[name]}\n" in setup, f"setup.cfg does not require {name}{SUPPORTED[name]}"
+    ran = {json.dumps(row["versions"], sort_keys=True) for path in RESULTS.glob("*.jsonl")
+           for row in map(json.loads, path.read_text().splitlines()) if "transformers" in row.get("versions", {})}
+    here = {name: installed_version(name) for name in ("torch", "transformers")}  # CI's, when CI runs this
+    ran = [json.loads(versions) for versions in ran] + [here]
+    for versions in ran:
+        for name in ("torch", "transformers"):
+            release = versions[name].split("+")[0]
+            assert SpecifierSet(SUPPORTED[name]).contains(release), f"{name} {release} ran but is not supported"
+    assert "transformers 5.17-5.24 and torch 2.11-2.13" in (ROOT / "README.md").read_text()

@@ -1,0 +1,228 @@
+"""`pyvene-dist plan`: its estimates against measured peak memory (the H200 rows in benchmarks/results, and
+training steps on this CPU under the profiler), what ReFT trains, and the command's output and usage errors.
+
+The measured numbers are the expected values; plan's own formulas never are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyvene_dist import plan
+
+ROOT = Path(__file__).parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+#: The rows with a measured peak memory per GPU, of training runs plan models.
+MEMORY_ROWS = ("zero-memory-2xH200.jsonl", "ddp-scaling-2xH200.jsonl", "fsdp-scaling-2xH200.jsonl",
+               "checkpointing-1xH200.jsonl")
+TOLERANCE = 0.15
+#: Rows not compared, and why (docs/plan.md says the same).
+NOT_COMPARED = {"zero3-nvme": "parameters and optimizer state swapped to NVMe files: plan has no NVMe strategy"}
+#: Rows plan misses by more than TOLERANCE (strict: the test fails once plan gets them right).
+KNOWN_MISSES = {
+    ("checkpointing-1xH200.jsonl", 2): "eager attention, 2 x 2048 tokens, checkpointing: plan 5.58 GiB, measured "
+    "6.62 (-15.6%); the same case on CPU is within 3% (test_activations_match_a_measured_cpu_step), so the H200 "
+    "holds about one more fp32 [heads, seq, seq] tensor in attention's backward than the CPU does, not established why",
+}
+STRATEGY_OF_ROW = {"single": "ddp", "independent": "ddp"}  # one process per GPU, each holding the whole model
+#: benchmarks/scaling.py puts LoReFT at layers 2 and 8 of llama-1b (rank 4); rows before it recorded the
+#: attention implementation ran eager (pyvene_dist.testing.models builds eager).
+BENCHMARK_LAYERS = (2, 8)
+
+
+def memory_rows():
+    for name in MEMORY_ROWS:
+        for number, line in enumerate((RESULTS / name).read_text().splitlines(), start=1):
+            row = json.loads(line)
+            if row.get("peak_memory_gib") is None:
+                continue
+            marks = []
+            if row["strategy"] in NOT_COMPARED:
+                marks = [pytest.mark.skip(reason=NOT_COMPARED[row["strategy"]])]
+            elif (name, number) in KNOWN_MISSES:
+                marks = [pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[(name, number)])]
+            yield pytest.param(row, id=f"{name}:{number}:{row['strategy']}", marks=marks)
+
+
+_shapes: dict = {}
+
+
+def shape_of_row(row) -> plan.Shape:
+    key = (row["model"], row.get("hidden"), row.get("layers"))
+    if key not in _shapes:
+        _shapes[key] = plan.shape_of(plan.meta_model(*key))
+    return _shapes[key]
+
+
+@pytest.mark.parametrize("row", list(memory_rows()))
+def test_plan_is_within_15_percent_of_the_measured_peak(row):
+    assert row["steps"] >= 2 and row["component"] in ("block_output", "mlp_output")
+    shape = shape_of_row(row)
+    run = plan.Run(gpus=row["world_size"], batch=row["batch"], seq_len=row["seq_len"], dtype=row["dtype"],
+                   layers=BENCHMARK_LAYERS, attention=row.get("attention") or "eager",
+                   zero=json.loads(row.get("zero") or "{}"))
+    found = plan.estimate(shape, run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
+    estimated = (found.total if row["checkpointing"] == "none" else found.total_checkpointed) / plan.GIB
+    measured = row["peak_memory_gib"]
+    assert abs(estimated - measured) <= TOLERANCE * measured, (
+        f"plan {estimated:.2f} GiB, measured {measured:.2f} GiB ({(estimated - measured) / measured:+.1%}): {found}")
+
+
+def test_the_weights_plan_counts_are_the_ones_the_benchmark_held():
+    """parameter_gib is what rank 0 held after wrapping (a shard under FSDP2 and ZeRO-3)."""
+    for name in MEMORY_ROWS:
+        for line in (RESULTS / name).read_text().splitlines():
+            row = json.loads(line)
+            if row["strategy"] in NOT_COMPARED or row["strategy"] == "zero3-offload":
+                continue  # offload's rows count the partition it keeps on the CPU
+            run = plan.Run(gpus=row["world_size"], dtype=row["dtype"], layers=BENCHMARK_LAYERS)
+            found = plan.estimate(shape_of_row(row), run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
+            assert found.parameters / plan.GIB == pytest.approx(row["parameter_gib"], rel=2e-3), row
+
+
+# --- on this CPU: the activation terms against a measured training step -------------------------------------------
+
+def peak_bytes_allocated(step) -> int:
+    """The peak, over ``step()``, of CPU memory allocated minus freed, from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    events = sorted((event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
+                    key=lambda event: event.start_ns())
+    now = peak = 0
+    for event in events:
+        now += event.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("dtype, attention, checkpointing", [
+    ("bfloat16", "sdpa", None), ("bfloat16", "eager", None), ("float32", "eager", None),
+    ("bfloat16", "eager", "non-reentrant"), ("bfloat16", "sdpa", "non-reentrant"),
+])
+def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
+    """One pyreft training step (forward, backward, AdamW) of a small Llama on this CPU, as benchmarks/scaling.py
+    runs it; its peak allocation beyond what was allocated before is the activations (and the interventions'
+    gradients and Adam state, a few kilobytes). fp32 sdpa is left out: the CPU runs it fused, the H200 did not."""
+    import pyvene_dist
+    from pyvene_dist.testing import ParityCase
+    from pyvene_dist.testing.parity import _loss
+
+    case = ParityCase(model="llama", hidden_size=64, num_layers=6, batch_size=2, seq_len=128, dtype=dtype,
+                      layers=(1, 3), checkpointing=checkpointing, steps=2)
+    with pyvene_dist.patched():
+        model = case.build()
+        model.model.config._attn_implementation = attention
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        batches = case.batches()
+
+        def step(batch):
+            _loss(model, batch, torch.device("cpu")).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        step(batches[0])  # Adam's state and the gradients' buffers exist from here on, as in a run's later steps
+        measured = peak_bytes_allocated(lambda: step(batches[1]))
+    run = plan.Run(batch=2, seq_len=128, dtype=dtype, layers=(1, 3), attention=attention)
+    found = plan.estimate(plan.shape_of(plan.meta_model("llama", hidden=64, layers=6)), run, "ddp")
+    estimated = found.activations_checkpointed if checkpointing else found.activations
+    off = (estimated - measured) / measured
+    assert abs(off) <= TOLERANCE, f"plan {estimated / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({off:+.1%})"
+
+
+def test_only_the_interventions_have_gradients_and_optimizer_state():
+    """plan's ReFT term: the interventions' weights, gradients and two Adam moments, counted from the parameters
+    pyreft actually makes trainable; the base model's weights are counted once, with nothing else."""
+    from pyvene_dist.testing import ParityCase
+
+    case = ParityCase(model="llama", hidden_size=64, num_layers=3, layers=(0, 2), rank=4)
+    model = case.build()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in model.model.parameters())
+    shape = plan.shape_of(plan.meta_model("llama", hidden=64, layers=3))
+    found = plan.estimate(shape, plan.Run(dtype="fp32", layers=(0, 2), rank=4), "ddp")
+    assert shape.parameters == base
+    assert found.parameters == base * 4
+    assert found.interventions == trainable * 4 * 4  # fp32 weights, gradients, exp_avg, exp_avg_sq
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+def cli(capsys, *arguments) -> tuple[int, str, str]:
+    """``pyvene-dist plan ARGUMENTS`` in this process (the console script calls the same ``main``)."""
+    from pyvene_dist.__main__ import main
+
+    try:
+        code = main(["plan", *arguments])
+    except SystemExit as exit:  # argparse's own usage errors
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def config_folder(tmp_path_factory):
+    """A model folder with only a config: plan needs no weights."""
+    from pyvene_dist.testing.models import llama_1b
+
+    folder = tmp_path_factory.mktemp("config-only")
+    with torch.device("meta"):
+        llama_1b().config.save_pretrained(folder)
+    return folder
+
+
+def test_the_command_prints_every_strategy_and_whether_it_fits(config_folder, capsys):
+    code, out, err = cli(capsys, "--model", str(config_folder), "--gpus", "2", "--batch", "8", "--seq-len", "512",
+                         "--layers", "2,8", "--gpu-memory", "8")
+    assert code == 0, err
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    for strategy in plan.STRATEGIES:
+        assert strategy in lines, out
+    # DDP measured 7.97 GiB at this shape (ddp-scaling-2xH200.jsonl): not within 90% of 8 GiB; checkpointed it is
+    assert lines["ddp"][6] == "no" and lines["ddp"][9] == "yes", out
+    assert "1.10B parameters" in out
+
+
+def test_the_json_rows_add_up(config_folder, capsys):
+    code, out, err = cli(capsys, "--model", str(config_folder / "config.json"), "--gpus", "4", "--nodes", "2",
+                         "--dtype", "fp32", "--zero", '{"stage3_max_live_parameters": 3e7}', "--json")
+    assert code == 0, err
+    rows = {row["strategy"]: row for row in json.loads(out)}
+    assert set(rows) == set(plan.STRATEGIES)
+    ddp, zero3 = rows["ddp"], rows["zero3"]
+    assert zero3["parameters"] == pytest.approx(ddp["parameters"] / 8)  # 2 nodes x 4 GPUs
+    assert rows["zero3-offload"]["parameters"] == 0
+    for row in rows.values():
+        assert row["total"] == pytest.approx(row["parameters"] + row["gathered"] + row["interventions"]
+                                             + row["activations"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("--model", "no/such/model", "--gpus", "2"), "pyvene-dist: --model no/such/model: neither a built-in name"),
+    (("--model", "llama-1b", "--gpus", "2", "--layers", "2,30"),
+     "pyvene-dist: --layers 2,30: llama-1b has decoder layers 0-21, not 30"),
+    (("--model", "llama-1b", "--gpus", "2", "--zero", "{live"), "pyvene-dist: --zero '{live' is not JSON"),
+    (("--model", "llama-1b", "--gpus", "0"), "argument --gpus: expected a positive integer, got '0'"),
+    (("--model", "llama-1b", "--gpus", "2", "--gpu-memory", "-1"), "GPU memory is a positive number of GiB"),
+])
+def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message, capsys):
+    code, out, err = cli(capsys, *arguments)
+    assert code == 2 and not out, (code, out, err)
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_the_documented_table_is_what_plan_prints(capsys, monkeypatch):
+    """docs/plan.md shows the command and its output: they must stay what plan prints (no GPU here: 80 GiB)."""
+    page = (ROOT / "docs" / "plan.md").read_text()
+    block = page.split("```console\n", 1)[1].split("```", 1)[0].splitlines()
+    command, shown = block[0], block[1:]
+    assert command.startswith("$ pyvene-dist plan ")
+    monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
+    code, out, err = cli(capsys, *command.split()[3:])
+    assert code == 0, err
+    assert out.splitlines() == shown
