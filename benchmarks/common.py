@@ -74,15 +74,18 @@ def edge_locations(*, batch: int, seq_len: int, positions: int, interventions: i
     return torch.tensor([[chosen] * batch] * interventions, device=device)
 
 
-def lora_model(model, layers):
-    """peft LoRA rank 8 on q and v of ``layers``, on a copy of ``model``; ``None`` without peft."""
+def lora_model(model, layers, *, fp32_adapters: bool = True):
+    """peft LoRA rank 8 on q and v of ``layers``, on a copy of ``model``; ``None`` without peft.
+    ``fp32_adapters``: peft's default, float32 adapters on a bf16 model; off, the model's dtype (FSDP2 wants
+    one dtype per unit)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         print("peft is not installed: no LoRA row", file=sys.stderr)
         return None
     return get_peft_model(copy.deepcopy(model), LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
-                                                            layers_to_transform=layers))
+                                                            layers_to_transform=layers),
+                          autocast_adapter_dtype=fp32_adapters)
 
 
 def lora_step(lora, ids, optimizer=None, *, backward=None, step=None):

@@ -30,6 +30,7 @@ import collections
 import copy
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -82,15 +83,23 @@ def main(argv=None) -> int:
     if options.parity:
         save_parity(setup, options.parity_steps, options.parity)
 
-    steps, compiling = {}, {}
+    steps, compiling, failed = {}, {}, []
+    meta = common.metadata(device, dtype)
     for name in wanted:
-        built = BUILDERS[name](setup)
-        if built is None:
-            continue
         broken, graphs = collections.Counter(_counters()["graph_break"]), _counters()["stats"]["unique_graphs"]
         started = time.perf_counter()
-        built()  # the compiling step
-        common.drain(device)
+        try:
+            built = BUILDERS[name](setup)
+            if built is None:
+                continue
+            built()  # the compiling step
+            common.drain(device)
+        except Exception as error:  # noqa: BLE001 -- a provider that fails is a row; the others still run
+            traceback.print_exc()
+            failed.append({"provider": name, "measure": "train", "strategy": "single", "world_size": 1,
+                           "model": options.model, "batch": options.batch, "seq_len": options.seq_len,
+                           "backend": backend, "error": f"{type(error).__name__}: {error}"[:2000], **meta})
+            continue
         compiling[name] = {"compile_s": time.perf_counter() - started,
                            "graph_breaks": sum((collections.Counter(_counters()["graph_break"]) - broken).values()),
                            "break_reasons": _reasons(collections.Counter(_counters()["graph_break"]) - broken),
@@ -103,7 +112,6 @@ def main(argv=None) -> int:
     host = {}
     times = common.interleaved(steps, rounds=options.rounds, steps=options.steps, device=device, host=host)
     recompiled = _counters()["stats"]["unique_graphs"] - graphs_before
-    meta = common.metadata(device, dtype)
     rows = [{"provider": name, "measure": "train", "strategy": "single", "world_size": 1, "model": options.model,
              "batch": options.batch, "seq_len": options.seq_len, "tokens": options.batch * options.seq_len,
              "positions": options.positions, "layers": layers, "rounds": options.rounds,
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
              "peak_memory_gib": common.peak_memory_gib(device), **meta} for name in steps]
     common.compare(rows, "peft-lora-compiled", ("pyvene_dist-compiled", "pyvene_dist-base-compiled"))
     common.compare(rows, "peft-lora", ("pyvene_dist",))
-    common.append_rows(options.out, rows)
+    common.append_rows(options.out, rows + failed)
     for row in rows:
         print(common.show(row), flush=True)
     if options.profile:
@@ -121,7 +129,7 @@ def main(argv=None) -> int:
             common.profile_top_ops(step, path=options.profile, label=f"{name} train ({backend})", device=device)
     if recompiled:
         print(f"{recompiled} graphs compiled while timing: a provider recompiled", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 class Setup:

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 import types
 from pathlib import Path
 
@@ -34,7 +35,6 @@ import common  # noqa: E402
 
 def rank_main(options: dict, out: str) -> None:
     import pyvene_dist
-    from pyvene_dist.testing import STRATEGIES
 
     pyvene_dist.patch()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -49,53 +49,64 @@ def rank_main(options: dict, out: str) -> None:
     case = types.SimpleNamespace(batch_size=options["batch"], torch_dtype=dtype)  # what DeepSpeed.prepare reads
     rows = []
     for name in options["strategies"]:
-        torch.manual_seed(1)
-        reft = common.reft_model(copy.deepcopy(base), layers)
-        lora = common.lora_model(base, layers)
-        steps = {}
-        for provider, model in (("peft-lora", lora), ("pyvene_dist", reft)):
-            if model is None:
-                continue
-            strategy = STRATEGIES[name](device)
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            if name.startswith("zero"):
-                engine, optimizer = strategy.prepare(model, torch.optim.AdamW(trainable, lr=1e-4), case)
-                hooks = dict(call=engine, backward=strategy.backward, step=lambda s=strategy: s.step(None))
-            else:  # FSDP2: the optimizer takes the sharded parameters
-                strategy.prepare(model, None, case)
-                optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                              weight_decay=0.0)
-                hooks = dict(call=model, optimizer=optimizer)
-            if provider == "pyvene_dist":
-                steps[provider] = common.reft_step(reft, batch, hooks.get("optimizer"), call=hooks["call"],
-                                                   backward=hooks.get("backward"), step=hooks.get("step"))
-            else:
-                steps[provider] = common.lora_step(hooks["call"], ids, hooks.get("optimizer"),
-                                                   backward=hooks.get("backward"), step=hooks.get("step"))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for step in steps.values():
-            common.timed(step, warmup=options["warmup"], steps=0, device=device)
-        host = {}
-        times = common.interleaved(steps, rounds=options["rounds"], steps=options["steps"], device=device, host=host)
-        meta = common.metadata(device, dtype)
-        found = [{"provider": provider, "measure": "train", "strategy": name, "world_size": 1,
-                  "model": options["model"], "batch": options["batch"], "seq_len": options["seq_len"],
-                  "tokens": options["batch"] * options["seq_len"], "positions": options["positions"],
-                  "layers": layers, "rounds": options["rounds"], **common.summary(times[provider], host[provider]),
-                  "peak_memory_gib": common.peak_memory_gib(device), **meta} for provider in steps]
-        common.compare(found, "peft-lora", ("pyvene_dist",))
-        rows += found
-        for row in found:
-            print(common.show(row), flush=True)
-        if options["profile"]:
-            for provider, step in steps.items():
-                common.profile_top_ops(step, path=options["profile"], label=f"{provider} {name} x1 train",
-                                       device=device)
-        del steps, reft, lora
+        try:
+            rows += _measure(name, base, layers, ids, batch, case, options, device, dtype)
+        except Exception as error:  # noqa: BLE001 -- one strategy's failure is a row; the others still run
+            traceback.print_exc()
+            rows.append({"provider": "pyvene_dist", "measure": "train", "strategy": name, "world_size": 1,
+                         "error": f"{type(error).__name__}: {error}"[:2000], **common.metadata(device, dtype)})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     Path(out).write_text(json.dumps(rows))
+
+
+def _measure(name, base, layers, ids, batch, case, options, device, dtype) -> list[dict]:
+    """The ReFT and LoRA steps under strategy ``name``, interleaved: their rows."""
+    from pyvene_dist.testing import STRATEGIES
+
+    torch.manual_seed(1)
+    reft = common.reft_model(copy.deepcopy(base), layers)
+    lora = common.lora_model(base, layers, fp32_adapters=False)  # the model's dtype, as the interventions'
+    steps = {}
+    for provider, model in (("peft-lora", lora), ("pyvene_dist", reft)):
+        if model is None:
+            continue
+        strategy = STRATEGIES[name](device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if name.startswith("zero"):
+            engine, optimizer = strategy.prepare(model, torch.optim.AdamW(trainable, lr=1e-4), case)
+            hooks = dict(call=engine, backward=strategy.backward, step=lambda s=strategy: s.step(None))
+        else:  # FSDP2: the optimizer takes the sharded parameters
+            strategy.prepare(model, None, case)
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                          weight_decay=0.0)
+            hooks = dict(call=model, optimizer=optimizer)
+        if provider == "pyvene_dist":
+            steps[provider] = common.reft_step(reft, batch, hooks.get("optimizer"), call=hooks["call"],
+                                               backward=hooks.get("backward"), step=hooks.get("step"))
+        else:
+            steps[provider] = common.lora_step(hooks["call"], ids, hooks.get("optimizer"),
+                                               backward=hooks.get("backward"), step=hooks.get("step"))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in steps.values():
+        common.timed(step, warmup=options["warmup"], steps=0, device=device)
+    host = {}
+    times = common.interleaved(steps, rounds=options["rounds"], steps=options["steps"], device=device, host=host)
+    meta = common.metadata(device, dtype)
+    found = [{"provider": provider, "measure": "train", "strategy": name, "world_size": 1,
+              "model": options["model"], "batch": options["batch"], "seq_len": options["seq_len"],
+              "tokens": options["batch"] * options["seq_len"], "positions": options["positions"],
+              "layers": layers, "rounds": options["rounds"], **common.summary(times[provider], host[provider]),
+              "peak_memory_gib": common.peak_memory_gib(device), **meta} for provider in steps]
+    common.compare(found, "peft-lora", ("pyvene_dist",))
+    for row in found:
+        print(common.show(row), flush=True)
+    if options["profile"]:
+        for provider, step in steps.items():
+            common.profile_top_ops(step, path=options["profile"], label=f"{provider} {name} x1 train",
+                                   device=device)
+    return found
 
 
 def main(argv=None) -> int:
