@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    scaling = [r for r in rows if "tokens_per_step" in r and r.get("checkpointing", "none") == options.checkpointing]
+    scaling = [r for r in rows if "measure" not in r and "tokens_per_s" in r
+               and r.get("checkpointing", "none") == options.checkpointing]
     if scaling:
         figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
         by_strategy = defaultdict(list)
