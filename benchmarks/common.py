@@ -95,10 +95,15 @@ def lora_step(lora, ids, optimizer=None, *, backward=None, step=None):
     mask = torch.ones_like(ids)
     if optimizer is None and step is None:
         optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
+    return _training_step(lambda: lora(input_ids=ids, attention_mask=mask, labels=ids).loss, optimizer,
+                          backward, step)
 
+
+def _training_step(loss, optimizer, backward, step):
+    """``loss()``, then ``backward(loss)`` (or ``loss.backward()``), then ``step()`` (or the optimizer's)."""
     def train():
-        loss = lora(input_ids=ids, attention_mask=mask, labels=ids).loss
-        backward(loss) if backward else loss.backward()
+        value = loss()
+        backward(value) if backward else value.backward()
         if step:
             step()
         else:
@@ -139,17 +144,27 @@ def reft_step(reft, batch, optimizer=None, *, call=None, backward=None, step=Non
         optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-4, weight_decay=0.0)
     trainer = object.__new__(pyreft.ReftTrainer)  # compute_loss reads nothing of the trainer
     target = reft if call is None else call
+    return _training_step(lambda: trainer.compute_loss(target, batch), optimizer, backward, step)
 
-    def train():
-        loss = trainer.compute_loss(target, batch)
-        backward(loss) if backward else loss.backward()
-        if step:
-            step()
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
 
-    return train
+def add_step_arguments(parser, *, model: str = "llama-3.2-1b") -> None:
+    """The options of a script that times training steps: model shape, batch, locations, rounds."""
+    parser.add_argument("--model", default=model, choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--positions", type=int, default=10)
+    parser.add_argument("--interventions", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per provider, over all rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--profile", help="append each step's top operators (host and device time) here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 timed steps")
+
+
+def smoke_sizes(options, *, interventions: int, warmup: int) -> None:
+    """``--smoke``'s sizes: the tiny model, 2 x 16 tokens, 2 steps in 2 rounds."""
+    options.model, options.batch, options.seq_len, options.positions = "tiny", 2, 16, 4
+    options.interventions, options.steps, options.rounds, options.warmup = interventions, 2, 2, warmup
 
 
 # --- timing -----------------------------------------------------------------------------------------------

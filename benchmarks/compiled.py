@@ -20,7 +20,8 @@ break with its source line. ``--parity FILE`` first trains an eager and a compil
 model for ``--parity-steps`` steps on the same batch and saves their losses and intervention gradients
 (``tests/test_benchmarks.py`` compares them). ``--profile FILE``: top operators of each step by host and
 device time. On CPU the backend is ``aot_eager`` (inductor's C++ compile of the backward takes minutes
-there); on a GPU ``inductor``.
+there); on a GPU ``inductor``. Inside compiled frames dynamo traces pyvene's own code, not pyvene_dist's
+``wrapt`` wraps (docs/benchmarks.md says what that means).
 """
 
 from __future__ import annotations
@@ -40,32 +41,19 @@ import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
 
-GOAL = 1.03
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(common.SHAPES))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--positions", type=int, default=10)
-    parser.add_argument("--interventions", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per provider, over all rounds")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling one")
+    common.add_step_arguments(parser)
     parser.add_argument("--backend", help="torch.compile backend (default: inductor on a GPU, aot_eager on CPU)")
     parser.add_argument("--providers", default="peft-lora-compiled,pyvene_dist-compiled,pyvene_dist-base-compiled,"
                         "peft-lora,pyvene_dist")
     parser.add_argument("--parity", help="save eager and compiled ReFT losses and gradients here (torch.save)")
     parser.add_argument("--parity-steps", type=int, default=2)
-    parser.add_argument("--profile", help="append each provider's top operators here")
     parser.add_argument("--out", default="benchmarks/results/compiled.jsonl")
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 timed steps")
     options = parser.parse_args(argv)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if options.smoke:
-        options.model, options.batch, options.seq_len, options.positions = "tiny", 2, 16, 4
-        options.interventions, options.steps, options.rounds, options.warmup = 1, 2, 2, 0
+        common.smoke_sizes(options, interventions=1, warmup=0)
     backend = options.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     wanted = options.providers.split(",")

@@ -4,15 +4,15 @@
 # $OUT/<part>.log.
 #   bash benchmarks/run_h200.sh ddp-scaling zero-memory nvme overhead overhead-trace tests
 # The one-GPU parts of speed round two (issue 22) run on nvidia-h200, in two commands of under 9 minutes:
-#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh sharded generation-stock compiled
-#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh large-7b generation
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh sharded compiled
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh large-7b generation-stock generation
 # (`all-new` runs the five in turn, for a machine held longer.) Rows carry PYVENE_DIST_COMMIT: the device's
 # copy of the tree has no .git.
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
 parts=()
 for part in "$@"; do
-  if [ "$part" = all-new ]; then parts+=(sharded generation-stock compiled large-7b generation); else parts+=("$part"); fi
+  if [ "$part" = all-new ]; then parts+=(sharded compiled large-7b generation-stock generation); else parts+=("$part"); fi
 done
 set -- "${parts[@]}"
 knobs='"stage3_max_live_parameters": 3e7, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6'

@@ -112,21 +112,11 @@ def _measure(name, base, layers, ids, batch, case, options, device, dtype) -> li
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default="fsdp2,zero3")
-    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(common.SHAPES))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--positions", type=int, default=10)
-    parser.add_argument("--interventions", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per provider, over all rounds")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--profile", help="append each step's top operators here")
+    common.add_step_arguments(parser)
     parser.add_argument("--out", default="benchmarks/results/sharded.jsonl")
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 timed steps")
     options = parser.parse_args(argv)
     if options.smoke:
-        options.model, options.batch, options.seq_len, options.positions = "tiny", 2, 16, 4
-        options.interventions, options.steps, options.rounds, options.warmup = 2, 2, 2, 1
+        common.smoke_sizes(options, interventions=2, warmup=1)
     strategies = options.strategies.split(",")
     if not set(strategies) <= {"fsdp2", "zero3"}:
         parser.error(f"--strategies {options.strategies!r}: expected fsdp2 and/or zero3")

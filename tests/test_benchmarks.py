@@ -38,10 +38,7 @@ def test_scaling_smoke_takes_deepspeed_memory_settings(tmp_path):
 
 
 def test_overhead_smoke_writes_every_provider(tmp_path):
-    out = tmp_path / "overhead.jsonl"
-    subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--smoke", "--checkpointing", "--out", str(out)],
-                   check=True, timeout=600)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _smoke_rows(tmp_path, "overhead.py", "--checkpointing")
     assert {(r["provider"], r["measure"]) for r in rows} >= {
         ("bare", "forward"), ("pyvene", "train"), ("pyvene", "forward"), ("pyvene_dist", "train"),
         ("pyvene_dist", "forward")}
@@ -50,6 +47,14 @@ def test_overhead_smoke_writes_every_provider(tmp_path):
     reft_forward = next(r for r in rows if (r["provider"], r["measure"], r["locations"]) == ("pyvene_dist", "forward",
                                                                                              "list"))
     assert reft_forward["baseline"] == "bare" and len(reft_forward["ratio_rounds"]) == reft_forward["rounds"]
+
+
+def _smoke_rows(tmp_path, script, *arguments):
+    """The rows ``benchmarks/<script> --smoke`` writes."""
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", *arguments, "--out", str(out)], check=True,
+                   timeout=900)
+    return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def _assert_metadata(rows):
@@ -63,9 +68,8 @@ def _assert_metadata(rows):
 def test_compiled_smoke_trains_as_eager_and_counts_graph_breaks(tmp_path):
     """torch.compile (aot_eager on CPU) of the intervenable model: losses and intervention gradients equal
     eager pyvene's within fp32's 1e-5 over two steps; every compiled provider says what dynamo broke."""
-    out, parity = tmp_path / "compiled.jsonl", tmp_path / "parity.pt"
-    subprocess.run([sys.executable, str(BENCHMARKS / "compiled.py"), "--smoke", "--parity", str(parity),
-                    "--out", str(out)], check=True, timeout=900)
+    parity = tmp_path / "parity.pt"
+    rows = _smoke_rows(tmp_path, "compiled.py", "--parity", str(parity))
     record = torch.load(parity)
     assert record["compiled"]["backend"] == "aot_eager"
     _assert_fp32_close(record["compiled"]["losses"], record["eager"]["losses"], "losses")
@@ -74,7 +78,6 @@ def test_compiled_smoke_trains_as_eager_and_counts_graph_breaks(tmp_path):
         assert compiled.keys() == eager.keys()
         for name in eager:
             _assert_fp32_close(compiled[name], eager[name], f"step {step} gradient of {name}")
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
     _assert_metadata(rows)
     by = {r["provider"]: r for r in rows}
     assert {"pyvene_dist-compiled", "pyvene_dist-base-compiled", "pyvene_dist"} <= by.keys()
@@ -92,10 +95,7 @@ def _assert_fp32_close(actual, expected, what):
 
 
 def test_sharded_smoke_times_reft_and_lora_under_fsdp2_and_zero3(tmp_path):
-    out = tmp_path / "sharded.jsonl"
-    subprocess.run([sys.executable, str(BENCHMARKS / "sharded.py"), "--smoke", "--out", str(out)], check=True,
-                   timeout=900)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _smoke_rows(tmp_path, "sharded.py")
     _assert_metadata(rows)
     reft = {r["strategy"]: r for r in rows if r["provider"] == "pyvene_dist"}
     assert reft.keys() == {"fsdp2", "zero3"} and {r["world_size"] for r in rows} == {1}
@@ -104,10 +104,7 @@ def test_sharded_smoke_times_reft_and_lora_under_fsdp2_and_zero3(tmp_path):
 
 
 def test_generation_smoke_intervenes_on_every_token_as_stock_pyvene(tmp_path):
-    out = tmp_path / "generation.jsonl"
-    subprocess.run([sys.executable, str(BENCHMARKS / "generation.py"), "--smoke", "--out", str(out)], check=True,
-                   timeout=600)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _smoke_rows(tmp_path, "generation.py")
     _assert_metadata(rows)
     by = {r["provider"]: r for r in rows}
     assert [r["provider"] for r in rows] == ["bare", "pyvene", "bare", "pyvene_dist"]
