@@ -3,8 +3,18 @@
 # on the device tool's nvidia-h200-x2 with .whl and .libaio carried. Rows go to $OUT/<part>.jsonl, logs to
 # $OUT/<part>.log.
 #   bash benchmarks/run_h200.sh ddp-scaling zero-memory nvme overhead overhead-trace tests
+# The one-GPU parts of speed round two (issue 22) run on nvidia-h200, in two commands of under 9 minutes:
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh sharded compiled
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh large-7b generation-stock generation
+# (`all-new` runs the five in turn, for a machine held longer.) Rows carry PYVENE_DIST_COMMIT: the device's
+# copy of the tree has no .git.
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
+parts=()
+for part in "$@"; do
+  if [ "$part" = all-new ]; then parts+=(sharded compiled large-7b generation-stock generation); else parts+=("$part"); fi
+done
+set -- "${parts[@]}"
 knobs='"stage3_max_live_parameters": 3e7, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5e6'
 for part in "$@"; do
   echo "=== $part" >&2
@@ -30,12 +40,30 @@ for part in "$@"; do
     overhead-trace)  # host-device syncs, kernel launches and operator calls per step, and profiles
       python3 benchmarks/overhead.py --steps 8 --rounds 2 --trace "$OUT/overhead-trace.txt" \
         --out "$OUT/overhead-trace.jsonl" ;;
+    compiled)  # torch.compile: ReFT whole and on a compiled base, against compiled LoRA; graph breaks by line
+      TORCH_LOGS=graph_breaks python3 benchmarks/compiled.py --steps 10 --rounds 5 --warmup 3 \
+        --out "$OUT/compiled.jsonl" --profile "$OUT/compiled-profile.txt" ;;
+    sharded)  # FSDP2 and ZeRO-3 in a process group of one: the ReFT step against the LoRA step under each
+      python3 benchmarks/sharded.py --steps 10 --rounds 5 --warmup 3 --out "$OUT/sharded.jsonl" \
+        --profile "$OUT/sharded-profile.txt" ;;
+    large-7b)  # Llama-2-7B shape, bf16, activation checkpointing, 8 x 512 and 1 x 4096 tokens; no stock pyvene
+      for shape in "8 512" "1 4096"; do
+        set -- $shape
+        python3 benchmarks/overhead.py --model llama-2-7b --checkpointing --batch "$1" --seq-len "$2" --no-stock \
+          --steps 10 --rounds 5 --warmup 2 --out "$OUT/large-7b.jsonl" --profile "$OUT/large-7b-profile.txt"
+      done ;;
+    generation-stock)  # every-token interventions, 1,024 new tokens, KV cache: stock pyvene beside the bare model
+      python3 benchmarks/generation.py --providers pyvene --new-tokens 1024 --rounds 5 \
+        --out "$OUT/generation.jsonl" ;;
+    generation)  # the same with pyvene_dist beside the bare model
+      python3 benchmarks/generation.py --providers pyvene_dist --new-tokens 1024 --rounds 5 \
+        --out "$OUT/generation.jsonl" ;;
     tests)  # the GPU tests of the latest changes
       bash scripts/gpu_checks.sh tests/test_householder.py tests/test_fast_path.py tests/test_devices.py \
         tests/test_checkpointing.py ;;
     graphs)  # capture by CUDA graphs, and the sync check
       bash scripts/gpu_checks.sh tests/test_fast_path.py -k "cuda_graphs or steady_state" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
-  esac 2>&1 | grep -v "Warning: \|return func" > "$OUT/$part.log"
+  esac 2>&1 | grep --line-buffered -v "Warning: \|return func" > "$OUT/$part.log"
   tail -5 "$OUT/$part.log"
 done

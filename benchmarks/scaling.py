@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,22 +119,17 @@ def rank_main(run: Run, out: str, profile: str = "") -> None:
         _profile(train_step, [next(batches) for _ in range(PROFILED_STEPS)], drain,
                  Path(profile) / f"{run.strategy}-x{run.world_size}-rank{dist.get_rank()}.txt")
     if dist.get_rank() == 0:
-        times.sort()
-        host.sort()
         tokens_per_step = run.batch * run.world_size * case.seq_len  # all ranks
         row = {
             **dataclasses.asdict(run),
             "provider": "pyvene_dist",
             "tokens_per_step": tokens_per_step,
-            **{f"p{q}_ms": 1000 * times[min(len(times) - 1, int(q / 100 * len(times)))] for q in (20, 50, 80)},
-            "host_p50_ms": 1000 * host[len(host) // 2],
+            **common.summary([1000 * t for t in times], [1000 * h for h in host]),
             "window_ms_per_step": 1000 * window_s / len(window),
             "tokens_per_s": tokens_per_step * len(window) / window_s,
             "peak_memory_gib": torch.cuda.max_memory_allocated(strategy.device) / 2**30 if cuda else None,
             "parameter_gib": held / 2**30,
-            "gpu": torch.cuda.get_device_name(strategy.device) if cuda else platform.processor() or "cpu",
-            "versions": {"torch": torch.__version__, **_versions()},
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **common.metadata(strategy.device, case.torch_dtype),
         }
         if getattr(strategy, "engine", None) is not None:  # what DeepSpeed ran with, knobs included
             row["zero_optimization"] = strategy.engine.config["zero_optimization"]
@@ -155,18 +151,6 @@ def _profile(train_step, batches, drain, path: Path) -> None:
             drain()
     events = profiler.key_averages()
     path.write_text(f"{len(batches)} steps\n" + events.table(sort_by="self_cpu_time_total", row_limit=40))
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    found = {}
-    for name in ("transformers", "pyvene", "pyreft", "deepspeed", "pyvene_dist"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 pytestmark = pytest.mark.slow
@@ -37,20 +38,91 @@ def test_scaling_smoke_takes_deepspeed_memory_settings(tmp_path):
 
 
 def test_overhead_smoke_writes_every_provider(tmp_path):
-    out = tmp_path / "overhead.jsonl"
-    subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--smoke", "--out", str(out)],
-                   check=True, timeout=600)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _smoke_rows(tmp_path, "overhead.py", "--checkpointing")
     assert {(r["provider"], r["measure"]) for r in rows} >= {
         ("bare", "forward"), ("pyvene", "train"), ("pyvene", "forward"), ("pyvene_dist", "train"),
         ("pyvene_dist", "forward")}
+    _assert_metadata(rows)
+    assert {r["checkpointing"] for r in rows} == {"non-reentrant"}
+    reft_forward = next(r for r in rows if (r["provider"], r["measure"], r["locations"]) == ("pyvene_dist", "forward",
+                                                                                             "list"))
+    assert reft_forward["baseline"] == "bare" and len(reft_forward["ratio_rounds"]) == reft_forward["rounds"]
+
+
+def _smoke_rows(tmp_path, script, *arguments):
+    """The rows ``benchmarks/<script> --smoke`` writes."""
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", *arguments, "--out", str(out)], check=True,
+                   timeout=900)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _assert_metadata(rows):
+    """What every row carries (benchmarks/common.py): the commit, versions, GPU, dtype, shapes, median and spread."""
+    for row in rows:
+        assert row["commit"] and row["versions"]["torch"] and row["versions"]["pyvene"] and row["gpu"]
+        assert row["dtype"] == "float32" and row["batch"] and row["time"]
+        assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"] and row["spread"] >= 0
+
+
+def test_compiled_smoke_trains_as_eager_and_counts_graph_breaks(tmp_path):
+    """torch.compile (aot_eager on CPU) of the intervenable model: losses and intervention gradients equal
+    eager pyvene's within fp32's 1e-5 over two steps; every compiled provider says what dynamo broke."""
+    parity = tmp_path / "parity.pt"
+    rows = _smoke_rows(tmp_path, "compiled.py", "--parity", str(parity))
+    record = torch.load(parity)
+    assert record["compiled"]["backend"] == "aot_eager"
+    _assert_fp32_close(record["compiled"]["losses"], record["eager"]["losses"], "losses")
+    assert len(record["eager"]["grads"]) == 2 and record["eager"]["grads"][0]
+    for step, (eager, compiled) in enumerate(zip(record["eager"]["grads"], record["compiled"]["grads"])):
+        assert compiled.keys() == eager.keys()
+        for name in eager:
+            _assert_fp32_close(compiled[name], eager[name], f"step {step} gradient of {name}")
+    _assert_metadata(rows)
+    by = {r["provider"]: r for r in rows}
+    assert {"pyvene_dist-compiled", "pyvene_dist-base-compiled", "pyvene_dist"} <= by.keys()
+    for name in ("pyvene_dist-compiled", "pyvene_dist-base-compiled"):
+        assert by[name]["backend"] == "aot_eager" and by[name]["graphs_compiled"] >= 1
+        assert by[name]["graph_breaks"] == sum(int(reason.split(" x ")[0]) for reason in by[name]["break_reasons"])
+    if "peft-lora-compiled" in by:
+        assert by["pyvene_dist-compiled"]["baseline"] == "peft-lora-compiled"
+
+
+def _assert_fp32_close(actual, expected, what):
+    rtol = 1e-5  # docs/index.md's fp32 parity bound
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, msg=lambda detail: f"{what}: {detail}")
+
+
+def test_sharded_smoke_times_reft_and_lora_under_fsdp2_and_zero3(tmp_path):
+    rows = _smoke_rows(tmp_path, "sharded.py")
+    _assert_metadata(rows)
+    reft = {r["strategy"]: r for r in rows if r["provider"] == "pyvene_dist"}
+    assert reft.keys() == {"fsdp2", "zero3"} and {r["world_size"] for r in rows} == {1}
+    if any(r["provider"] == "peft-lora" for r in rows):
+        assert all(r["baseline"] == "peft-lora" and "host_minus_baseline_ms" in r for r in reft.values())
+
+
+def test_generation_smoke_intervenes_on_every_token_as_stock_pyvene(tmp_path):
+    rows = _smoke_rows(tmp_path, "generation.py")
+    _assert_metadata(rows)
+    by = {r["provider"]: r for r in rows}
+    assert [r["provider"] for r in rows] == ["bare", "pyvene", "bare", "pyvene_dist"]
+    assert by["pyvene"]["differs_from_bare"] and by["pyvene_dist"]["differs_from_bare"]  # the interventions ran
+    assert by["pyvene_dist"]["same_as_stock"]
+    assert by["pyvene_dist"]["baseline"] == "bare" and by["pyvene_dist"]["new_tokens"] == 8
 
 
 def test_plot_draws_the_rows(tmp_path):
     pytest.importorskip("matplotlib")
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"strategy": "ddp", "world_size": 2, "checkpointing": "none", "tokens_per_s": 1.0,
-                                "peak_memory_gib": 1.0}) + "\n")
-    subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), str(rows), "--out", str(tmp_path / "figures")],
-                   check=True, timeout=120)
+    scaling = [{"strategy": "ddp", "world_size": size, "checkpointing": "none", "tokens_per_s": 1.0 * size,
+                "peak_memory_gib": 1.0, "p20_ms": 9.0, "p50_ms": 10.0, "p80_ms": 12.0} for size in (1, 2)]
+    compared = [{"provider": "peft-lora", "measure": "train", "strategy": "fsdp2", "median_ms": 10.0},
+                {"provider": "pyvene_dist", "measure": "train", "strategy": "fsdp2", "median_ms": 10.2,
+                 "baseline": "peft-lora", "ratio": 1.02, "ratio_median": 1.02, "ratio_min": 0.99, "ratio_max": 1.05}]
+    rows.write_text("".join(json.dumps(row) + "\n" for row in scaling + compared))
+    subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), str(rows), "--out", str(tmp_path / "figures"),
+                    "--ratios", "sharded", "--goal", "1.03"], check=True, timeout=120)
     assert (tmp_path / "figures" / "scaling.png").stat().st_size > 0
+    assert (tmp_path / "figures" / "ratios-sharded.png").stat().st_size > 0

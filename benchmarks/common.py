@@ -1,0 +1,335 @@
+"""What the benchmark scripts share: Llama models built on the device from configs, LoRA and ReFT training
+steps, steps timed and interleaved, rows with their metadata, and profiles.
+
+Every row carries the same metadata (``metadata``): the GPU (or ``cpu``), package versions, the commit
+(``git rev-parse HEAD``, or ``PYVENE_DIST_COMMIT`` where the tree has no ``.git``, as on the device
+machines), the dtype and the time. ``summary`` gives p20/p50/p80, the median, the spread (p80 - p20 over
+the median) and each interleaved round's median; ``compare`` adds a row's ratio to its baseline's, round by
+round, so that a ratio's median and spread are read from rows timed side by side.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Llama shapes built from configs with random weights (nothing is downloaded).
+SHAPES = {
+    "tiny": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                         tie_word_embeddings=True),
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                       tie_word_embeddings=False),
+}
+
+
+def llama(shape: str, *, dtype: torch.dtype, device: torch.device, checkpointing: bool = False, seed: int = 0):
+    """A Llama of ``shape`` (a key of ``SHAPES``), its random weights made on ``device`` in ``dtype`` (a 7B
+    model in seconds, where the host would take minutes), sdpa attention; ``checkpointing``: non-reentrant
+    activation checkpointing of every decoder layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise ValueError(f"model shape {shape!r} is not one of {sorted(SHAPES)}")
+    config = LlamaConfig(**SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def middle_layers(model, count: int = 4) -> list[int]:
+    """``count`` layers spread over the model (the intervened ones, and LoRA's)."""
+    layers = model.config.num_hidden_layers
+    return [i * layers // count + layers // (2 * count) for i in range(count)]
+
+
+def edge_locations(*, batch: int, seq_len: int, positions: int, interventions: int, device) -> torch.Tensor:
+    """pyvene's layout ``[interventions, batch, positions]``: the first and last positions, as pyreft's
+    ``first_n``/``last_n`` locations."""
+    half = positions // 2
+    chosen = list(range(half)) + list(range(seq_len - (positions - half), seq_len))
+    return torch.tensor([[chosen] * batch] * interventions, device=device)
+
+
+def lora_model(model, layers, *, fp32_adapters: bool = True):
+    """peft LoRA rank 8 on q and v of ``layers``, on a copy of ``model``; ``None`` without peft.
+    ``fp32_adapters``: peft's default, float32 adapters on a bf16 model; off, the model's dtype (FSDP2 wants
+    one dtype per unit)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        print("peft is not installed: no LoRA row", file=sys.stderr)
+        return None
+    return get_peft_model(copy.deepcopy(model), LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                            layers_to_transform=layers),
+                          autocast_adapter_dtype=fp32_adapters)
+
+
+def lora_step(lora, ids, optimizer=None, *, backward=None, step=None):
+    """A LoRA training step: forward with labels (and an all-ones mask, as HF Trainer passes it and
+    pyreft's ``compute_loss`` does), backward, AdamW. ``backward``/``step`` replace ``loss.backward()`` and
+    the optimizer step (a DeepSpeed engine's)."""
+    mask = torch.ones_like(ids)
+    if optimizer is None and step is None:
+        optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
+    return _training_step(lambda: lora(input_ids=ids, attention_mask=mask, labels=ids).loss, optimizer,
+                          backward, step)
+
+
+def _training_step(loss, optimizer, backward, step):
+    """``loss()``, then ``backward(loss)`` (or ``loss.backward()``), then ``step()`` (or the optimizer's)."""
+    def train():
+        value = loss()
+        backward(value) if backward else value.backward()
+        if step:
+            step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return train
+
+
+def reft_model(model, layers):
+    """pyreft's LoReFT rank 4 at ``block_output`` of ``layers``, on ``model`` (under whatever patch state
+    the caller is in), on the model's device."""
+    import pyreft
+
+    hidden = model.config.hidden_size
+    config = pyreft.ReftConfig(representations=[{
+        "layer": layer, "component": "block_output", "low_rank_dimension": 4,
+        "intervention": pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=4, dtype=model.dtype),
+    } for layer in layers])
+    reft = pyreft.get_reft_model(model, config)
+    reft.set_device(model.device)
+    return reft
+
+
+def reft_batch(ids, locations) -> dict:
+    """A batch as pyreft's collator makes it: locations on the device, batch first."""
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+            "intervention_locations": locations.permute(1, 0, 2).contiguous()}
+
+
+def reft_step(reft, batch, optimizer=None, *, call=None, backward=None, step=None):
+    """A ReFT training step as pyreft's ``ReftTrainer`` runs it: its own ``compute_loss`` on a collated
+    batch, backward, AdamW. ``call`` is what ``compute_loss`` calls (a compiled or engine-wrapped ``reft``);
+    ``backward``/``step`` as in ``lora_step``."""
+    import pyreft
+
+    if optimizer is None and step is None:
+        optimizer = torch.optim.AdamW(reft.get_trainable_parameters(), lr=1e-4, weight_decay=0.0)
+    trainer = object.__new__(pyreft.ReftTrainer)  # compute_loss reads nothing of the trainer
+    target = reft if call is None else call
+    return _training_step(lambda: trainer.compute_loss(target, batch), optimizer, backward, step)
+
+
+def add_step_arguments(parser, *, model: str = "llama-3.2-1b") -> None:
+    """The options of a script that times training steps: model shape, batch, locations, rounds."""
+    parser.add_argument("--model", default=model, choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--positions", type=int, default=10)
+    parser.add_argument("--interventions", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per provider, over all rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--profile", help="append each step's top operators (host and device time) here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 timed steps")
+
+
+def smoke_sizes(options, *, interventions: int, warmup: int) -> None:
+    """``--smoke``'s sizes: the tiny model, 2 x 16 tokens, 2 steps in 2 rounds."""
+    options.model, options.batch, options.seq_len, options.positions = "tiny", 2, 16, 4
+    options.interventions, options.steps, options.rounds, options.warmup = interventions, 2, 2, warmup
+
+
+# --- timing -----------------------------------------------------------------------------------------------
+
+def drain(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, *, warmup: int, steps: int, device, host: list | None = None) -> list[float]:
+    """Milliseconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, each timed alone; the
+    host's share (until ``step`` returns, before the GPU is drained) is appended to ``host``."""
+    times = []
+    for i in range(warmup + steps):
+        drain(device)
+        started = time.perf_counter()
+        step()
+        queued = time.perf_counter()
+        drain(device)
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - started))
+            if host is not None:
+                host.append(1000 * (queued - started))
+    return times
+
+
+def interleaved(steps_by_name: dict, *, rounds: int, steps: int, device, host: dict,
+                warmup: int = 1) -> dict[str, list[list[float]]]:
+    """``timed`` for each of ``steps_by_name``, in ``rounds`` blocks of ``steps // rounds`` per name, the
+    names taking turns (the first of one round is the last of the next); ``warmup`` untimed steps open a
+    block. Returns each name's times, one list per round; ``host[name]`` collects the host's share of each."""
+    names = list(steps_by_name)
+    times = {name: [] for name in names}
+    per_round = max(1, steps // rounds)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            times[name].append(timed(steps_by_name[name], warmup=warmup, steps=per_round, device=device,
+                                     host=host.setdefault(name, [])))
+    return times
+
+
+def summary(times, host=()) -> dict:
+    """p20/p50/p80 and the median of ``times`` (ms; a flat list, or one list per interleaved round), the
+    spread (p80 - p20, as a share of the median), each round's median, and the host's median share."""
+    per_round = times if times and isinstance(times[0], list) else None
+    flat = sorted(t for block in per_round for t in block) if per_round else sorted(times)
+    at = lambda q: flat[min(len(flat) - 1, int(q / 100 * len(flat)))]  # noqa: E731
+    median = statistics.median(flat)
+    return {
+        **{f"p{q}_ms": at(q) for q in (20, 50, 80)},
+        "median_ms": median,
+        "spread": (at(80) - at(20)) / median,
+        "steps_timed": len(flat),
+        "round_medians_ms": [statistics.median(block) for block in per_round] if per_round else None,
+        "host_p50_ms": statistics.median(host) if host else None,
+    }
+
+
+def compare(rows: list[dict], baseline: str, providers) -> None:
+    """Name ``baseline`` (a provider) on the rows of ``providers`` of the same measure, strategy and shape,
+    and add the ratio of medians, the median, min and max of the round-by-round ratios (the spread), and
+    the host time per step over the baseline's."""
+    def key(row):
+        return row.get("measure"), row.get("strategy"), row.get("batch"), row.get("seq_len")
+
+    bases = {key(r): r for r in rows if r["provider"] == baseline and "median_ms" in r}
+    for row in rows:
+        base = bases.get(key(row))
+        if base is None or row["provider"] not in providers or "median_ms" not in row:
+            continue
+        row["baseline"] = baseline
+        row["ratio"] = row["median_ms"] / base["median_ms"]
+        if row.get("host_p50_ms") is not None and base.get("host_p50_ms") is not None:
+            row["host_minus_baseline_ms"] = row["host_p50_ms"] - base["host_p50_ms"]
+        mine, theirs = row.get("round_medians_ms"), base.get("round_medians_ms")
+        if mine and theirs and len(mine) == len(theirs):
+            ratios = [a / b for a, b in zip(mine, theirs)]
+            row["ratio_rounds"] = ratios
+            row["ratio_median"], row["ratio_min"], row["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
+
+
+# --- rows -------------------------------------------------------------------------------------------------
+
+def commit() -> str | None:
+    """``PYVENE_DIST_COMMIT``, else ``git rev-parse HEAD`` (``+dirty`` when tracked files differ), else None."""
+    if os.environ.get("PYVENE_DIST_COMMIT"):
+        return os.environ["PYVENE_DIST_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    found = {"torch": torch.__version__}
+    for name in ("transformers", "pyvene", "pyreft", "peft", "deepspeed", "accelerate", "pyvene_dist"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def gpu_name(device) -> str:
+    import platform
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def metadata(device, dtype) -> dict:
+    return {"gpu": gpu_name(device), "dtype": str(dtype).removeprefix("torch."), "versions": versions(),
+            "commit": commit(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def peak_memory_gib(device) -> float | None:
+    device = torch.device(device)
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def append_rows(path, rows) -> None:
+    """Append ``rows`` to the JSONL file ``path`` (its folder made)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+
+
+def show(row: dict) -> str:
+    """One line for the log: provider, measure, median and spread, ratio to the baseline."""
+    text = (f"{row['provider']:>26} {row.get('measure', ''):>8} {row.get('strategy', ''):>6}: "
+            f"median {row['median_ms']:.2f} ms (p20-p80 {row['p20_ms']:.2f}-{row['p80_ms']:.2f})")
+    if row.get("host_p50_ms") is not None:
+        text += f", host {row['host_p50_ms']:.2f} ms"
+    if "ratio" in row:
+        text += f"; {row['ratio']:.3f} x {row['baseline']}"
+        if "ratio_min" in row:
+            text += f" (rounds {row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
+    return text
+
+
+# --- profiles ---------------------------------------------------------------------------------------------
+
+def profile_top_ops(step, *, path, label: str, device, steps: int = 3, rows: int = 25) -> None:
+    """Append to ``path`` the top operators of ``steps`` calls of ``step`` under torch.profiler, by host
+    time and by device time: where the time goes when a goal is missed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        drain(torch.device(device))
+    events = profiler.key_averages()
+    device_ms = sum(e.self_device_time_total for e in events) / steps / 1000
+    host_ms = sum(e.self_cpu_time_total for e in events) / steps / 1000
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
+        out.write(f"=== {label}: per step under the profiler, device busy {device_ms:.1f} ms, host (self) "
+                  f"{host_ms:.1f} ms; {steps} steps\n--- by host time\n"
+                  f"{events.table(sort_by='self_cpu_time_total', row_limit=rows)}\n")
+        if device_ms:
+            out.write(f"--- by device time\n{events.table(sort_by='self_device_time_total', row_limit=rows)}\n")
