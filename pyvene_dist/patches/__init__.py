@@ -37,6 +37,7 @@ CONCERNS = (
     "trainer",
     "checkpoints",
     "weight_decay",
+    "tensor_parallel",
 )
 
 
