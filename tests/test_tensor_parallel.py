@@ -53,8 +53,8 @@ def _world(tmp_path_factory, world_size, jobs):
 
 TP_JOBS = [("tp", case("llama", c)) for c in LLAMA_COMPONENTS] + \
           [("tp", case("qwen2", c)) for c in QWEN2_COMPONENTS] + \
-          [("tp-by-hand", case("llama", c)) for c in BY_HAND_COMPONENTS]
-MESH_JOBS = [("tp-fsdp2", case("llama", c)) for c in LLAMA_COMPONENTS] + [("hsdp", case("llama", "block_output"))]
+          [("tp-by-hand", case("llama", "attention_value_output"))]
+MESH_JOBS = [("tp-fsdp2", case("llama", c)) for c in MESH_COMPONENTS] + [("hsdp", case("llama", "block_output"))]
 
 
 @pytest.fixture(scope="module")

@@ -450,13 +450,16 @@ class TensorParallel(DDP):
 
 
 class TensorParallelFSDP2(TensorParallel):
-    """2-D: tensor parallel inside each ``tp`` group, FSDP2 over the ``dp_shard`` dimension."""
+    """2-D: tensor parallel (torch's ``parallelize_module``) inside each ``tp`` group of 2, FSDP2 over the
+    ``dp_shard`` dimension. By hand, because transformers 5.24's ``from_pretrained(tp_plan=...)`` builds its
+    own mesh over the whole world and ignores ``device_mesh``, so FSDP2 cannot share its TP mesh's root."""
 
     name = "tp-fsdp2"
     dims = ("dp_shard", "tp")
 
-    def __init__(self, device=None, *, by_hand: bool = False):
-        super().__init__(device, by_hand=by_hand, shape=(self._world_size() // 2, 2))
+    def __init__(self, device=None):
+        super().__init__(device, by_hand=True, shape=(self._world_size() // 2, 2))
+        self.name = "tp-fsdp2"
 
     def wrap(self, model):
         from ..fsdp import fully_shard_model
@@ -509,7 +512,6 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     "tp": TensorParallel,
     "tp-by-hand": lambda device=None: TensorParallel(device, by_hand=True),
     "tp-fsdp2": TensorParallelFSDP2,
-    "tp-fsdp2-by-hand": lambda device=None: TensorParallelFSDP2(device, by_hand=True),
     "hsdp": HSDP,
 }
 
