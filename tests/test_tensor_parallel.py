@@ -176,3 +176,19 @@ def test_interventions_saved_by_one_process_load_under_tensor_parallel_and_back(
     with torch.no_grad():
         assert _loss(loaded, first, torch.device("cpu")).item() == pytest.approx(
             _loss(model, first, torch.device("cpu")).item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpus(1)
+@pytest.mark.world_size(1, backend="nccl")
+@pytest.mark.parametrize("component", ("attention_output", "attention_value_output", "head_query_output"))
+def test_tensor_parallel_of_one_gpu_matches_one_gpu(component):
+    """TP size 1 on one GPU through the same hooks (DTensor weights, DTensor o_proj inputs):
+    bash scripts/gpu_checks.sh tests/test_tensor_parallel.py -k one_gpu"""
+    helpers.patch()
+    parity_case = case("llama", component)
+    for strategy in ("tp-by-hand", "tp"):
+        candidate = train(parity_case, strategy)
+        reference = train(parity_case, "single")
+        print(f"{strategy} x1 GPU {component}: {differences(reference, candidate)}")
+        assert_parity(reference, candidate, parity_case.tolerance)
