@@ -174,6 +174,8 @@ def component_width(base, component: str) -> int:
     )
 
     model_type = get_internal_model_type(base)
+    if component not in type_to_module_mapping.get(model_type, {}):  # a module path: the residual width
+        return base.config.hidden_size
     path, hook, *splits = type_to_module_mapping[model_type][component]
     module = getattr_for_torch_module(base, path % 0 if "%s" in path else path)
     if not isinstance(module, torch.nn.Linear):
