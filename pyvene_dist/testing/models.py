@@ -14,24 +14,18 @@ TINY_KV_HEADS = 2
 def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=TINY_KV_HEADS,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return _build(LlamaForCausalLM, config, seed, dtype)
+    return _build(LlamaForCausalLM, LlamaConfig(**_tiny_decoder(layers, hidden)), seed, dtype)
 
 
 def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
     """A Qwen2-class model (biases on q, k, v) of the tiny Llama's shape."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    return _build(Qwen2ForCausalLM, Qwen2Config(**_tiny_decoder(layers, hidden)), seed, dtype)
+
+
+def _tiny_decoder(layers: int, hidden: int) -> dict:
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -41,7 +35,6 @@ def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    return _build(Qwen2ForCausalLM, config, seed, dtype)
 
 
 def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
