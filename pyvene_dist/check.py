@@ -73,6 +73,12 @@ def _deepspeed(requirement: Requirement) -> Requirement:
     return check
 
 
+def _two_dimensional(world_size: int) -> str | None:
+    if world_size >= 4 and world_size % 2 == 0:
+        return None
+    return f"needs a 2-D mesh (data x 2): an even world size of 4 or more, got {world_size}"
+
+
 def _accelerate(world_size: int) -> str | None:
     return "accelerate not installed" if importlib.util.find_spec("accelerate") is None else None
 
@@ -83,6 +89,9 @@ STRATEGIES: dict[str, Requirement] = {
     "fsdp2": _ranks,
     "fsdp2+checkpointing": _ranks,
     "accelerate": _accelerate,
+    "tp": _ranks,  # tensor parallel over every rank; the world size must divide the model's key/value heads
+    "tp-fsdp2": _two_dimensional,
+    "hsdp": _two_dimensional,
     "zero2": _deepspeed(_ranks),
     "zero3": _deepspeed(_ranks),
     "zero3+checkpointing": _deepspeed(_ranks),

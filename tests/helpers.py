@@ -52,7 +52,9 @@ def patch_upstream(folder: Path) -> None:
     patches.CONCERNS = tuple(c for c in patches.CONCERNS if c in patches.RUNTIME_ONLY)
     pyvene_dist.patch()
     touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
-    if touched != ["pyvene.models.intervenable_base.BaseModel.get_device"]:
+    tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
+        "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
+    if touched != ["pyvene.models.intervenable_base.BaseModel.get_device", *tensor_parallel]:
         raise RuntimeError(f"runtime-only concerns wrapped {touched} of pyvene and pyreft")
 
 

@@ -88,6 +88,12 @@ RUN_BY: dict[str, RunBy] = {
     "pyvene-dist check --strategies ddp,ddp+checkpointing": DEFAULT_CHECK,
     "pyvene-dist check --strategies fsdp2,fsdp2+checkpointing,fsdp1,fsdp1+checkpointing": DEFAULT_CHECK,
     "pyvene-dist check --strategies accelerate": DEFAULT_CHECK,
+    "pyvene-dist check --strategies tp,tp-fsdp2,hsdp": DEFAULT_CHECK,
+    "python -m pytest tests/test_tensor_parallel.py": RunBy("tests/test_tensor_parallel.py",
+                                                            note="CI's pytest run includes this file"),
+    "bash scripts/gpu_checks.sh tests/test_tensor_parallel.py -k one_gpu":
+        RunBy("tests/test_tensor_parallel.py::test_tensor_parallel_of_one_gpu_matches_one_gpu",
+              ("scripts/gpu_checks.sh",), gpus=1),
     "pyvene-dist check --strategies dataparallel": GPU_CHECK,
     "pyvene-dist check --strategies device_map": GPU_CHECK,
     "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt":

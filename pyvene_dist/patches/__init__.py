@@ -37,6 +37,7 @@ CONCERNS = (
     "trainer",
     "checkpoints",
     "weight_decay",
+    "tensor_parallel",
 )
 
 
@@ -60,8 +61,9 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 }
 #: Concerns with no upstream diff: they change what torch's wrappers do (DataParallel's scatter,
 #: DDP's and FSDP's setup, the orthogonal parametrization in half precision, the Householder
-#: product's backward), which pyvene and pyreft cannot reach. docs/upstreaming.md says why.
-RUNTIME_ONLY = ("data_parallel", "consistency", "fsdp", "orthogonal", "householder")
+#: product's backward), which pyvene and pyreft cannot reach; ``tensor_parallel`` waits for transformers'
+#: TP API to settle. docs/upstreaming.md says why.
+RUNTIME_ONLY = ("data_parallel", "consistency", "fsdp", "orthogonal", "householder", "tensor_parallel")
 #: A runtime concern built on another's runtime code keeps that one applied while it is applied itself.
 BUILT_ON: dict[str, tuple[str, ...]] = {"checkpointing": ("hooks",)}
 #: Packages that may be missing; a missing one has nothing to fix.

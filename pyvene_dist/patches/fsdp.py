@@ -67,12 +67,14 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     interventions = intervention_modules(modules)
     if not interventions:
         return wrapped(*args, **kwargs)
-    for module in modules:
-        check_same_interventions(module, kwargs["mesh"].get_group() if kwargs.get("mesh") is not None else None)
+    mesh = kwargs.get("mesh")
+    for module in modules:  # the same on every rank of each mesh dimension: the same on the whole mesh
+        for group in [mesh.get_group(dim) for dim in range(mesh.ndim)] if mesh is not None else [None]:
+            check_same_interventions(module, group)
     parameters = {p for module in interventions for p in module.parameters()}
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
-    mesh = kwargs.get("mesh") or _default_mesh(modules, parameters)
+    mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     _place_and_reduce(interventions, _compute_device(modules, parameters), groups)
     return sharded

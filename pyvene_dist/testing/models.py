@@ -7,22 +7,34 @@ from typing import Sequence
 import torch
 
 VOCAB_SIZE = 97
+#: The fewest heads (key/value heads) of the tiny models: head-level locations name one of these.
+TINY_KV_HEADS = 2
 
 
 def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    return _build(LlamaForCausalLM, LlamaConfig(**_tiny_decoder(layers, hidden)), seed, dtype)
+
+
+def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+    """A Qwen2-class model (biases on q, k, v) of the tiny Llama's shape."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _build(Qwen2ForCausalLM, Qwen2Config(**_tiny_decoder(layers, hidden)), seed, dtype)
+
+
+def _tiny_decoder(layers: int, hidden: int) -> dict:
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=TINY_KV_HEADS,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    return _build(LlamaForCausalLM, config, seed, dtype)
 
 
 def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
@@ -69,7 +81,7 @@ def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int =
 
 
 NUM_LABELS = 3
-BASE_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
+BASE_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
 CLASSIFIERS = frozenset({"llama-cls"})
 
 
@@ -79,14 +91,15 @@ def _build(model_class, config, seed: int, dtype: torch.dtype):
         torch.manual_seed(seed)
         model = model_class(config)
     if _zero3_enabled():
-        model = _reload_partitioned(model)
+        model = reload_pretrained(model)
     return model.to(dtype)
 
 
-def _reload_partitioned(model):
-    """The same weights through ``from_pretrained``, which under HF's DeepSpeed ZeRO-3 config builds the
-    model partitioned (``deepspeed.zero.Init``) and loads into the partitions, as users' models arrive.
-    In a process group HF writes on rank 0 only, so the ranks share rank 0's folder."""
+def reload_pretrained(model, **from_pretrained_kwargs):
+    """The same weights through ``from_pretrained``, as users' models arrive: under HF's DeepSpeed ZeRO-3
+    config built partitioned (``deepspeed.zero.Init``) and loaded into the partitions; with
+    ``tp_plan="auto"`` split over the ranks. In a process group HF writes on rank 0 only, so the ranks
+    share rank 0's folder."""
     import shutil
     import tempfile
 
@@ -99,7 +112,7 @@ def _reload_partitioned(model):
     model.save_pretrained(directory[0])
     if grouped:
         dist.barrier()
-    reloaded = type(model).from_pretrained(directory[0], attn_implementation="eager")
+    reloaded = type(model).from_pretrained(directory[0], attn_implementation="eager", **from_pretrained_kwargs)
     if grouped:
         dist.barrier()
     if not grouped or dist.get_rank() == 0:
@@ -127,7 +140,7 @@ def reft_model(
     """``pyreft.get_reft_model`` with one ``intervention`` per layer, its weights drawn from ``seed``."""
     pyreft = import_pyreft()
     intervention_class = getattr(pyreft, intervention)
-    hidden = base.config.hidden_size
+    hidden = component_width(base, component)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         representations = [
@@ -135,6 +148,7 @@ def reft_model(
                 "layer": layer,
                 "component": component,
                 "low_rank_dimension": rank,
+                **({"unit": "h.pos"} if component.startswith("head_") else {}),
                 "intervention": intervention_class(
                     embed_dim=hidden, low_rank_dimension=rank, dtype=dtype, dropout=dropout, add_bias=True
                 ),
@@ -142,6 +156,27 @@ def reft_model(
             for layer in layers
         ]
     return pyreft.get_reft_model(base, pyreft.ReftConfig(representations=representations))
+
+
+def component_width(base, component: str) -> int:
+    """The last dimension of the representation at ``component``: the hidden size for the residual stream,
+    a projection's width for ``query_output`` and the like, one head's for ``head_*`` components."""
+    from pyvene.models.constants import CONST_INPUT_HOOK
+    from pyvene.models.modeling_utils import (
+        get_dimension_by_component, get_internal_model_type, getattr_for_torch_module, type_to_module_mapping,
+    )
+
+    model_type = get_internal_model_type(base)
+    if component not in type_to_module_mapping.get(model_type, {}):  # a module path: the residual width
+        return base.config.hidden_size
+    path, hook, *splits = type_to_module_mapping[model_type][component]
+    module = getattr_for_torch_module(base, path % 0 if "%s" in path else path)
+    if not isinstance(module, torch.nn.Linear):
+        return int(get_dimension_by_component(model_type, base.config, component))
+    width = module.in_features if hook == CONST_INPUT_HOOK else module.out_features
+    for _, heads in splits:
+        width //= int(get_dimension_by_component(model_type, base.config, heads))
+    return width
 
 
 def import_pyreft():
