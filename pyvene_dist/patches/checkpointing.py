@@ -33,6 +33,9 @@ Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import weakref
 
@@ -44,7 +47,9 @@ SITES = (
     "pyvene.models.intervenable_base:IntervenableModel.forward",
     "pyvene.models.intervenable_base:IntervenableModel._output_validation",
 )
-_pending: "weakref.WeakKeyDictionary[object, hooks.Kept]" = weakref.WeakKeyDictionary()
+#: The forward whose interventions apply now in this thread: the one running, or the one whose
+#: checkpointed layer backward is recomputing. None outside both, where every kept hook is inert.
+_applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
 
 
 def patch(registry) -> None:
@@ -54,25 +59,113 @@ def patch(registry) -> None:
     registry.wrap(IntervenableModel, "_output_validation", _wrap_output_validation)
 
 
-def _wrap_forward(wrapped, instance, args, kwargs):
-    _release(instance)
-    if not (torch.is_grad_enabled() and instance.training and checkpointing(instance.model)):
-        return wrapped(*args, **kwargs)
-    with hooks.setters_kept_alive(instance, wrap_hook=on_a_copy_of_the_input) as kept:
-        output = wrapped(*args, **kwargs)
-    differentiable = [t for t in _tensors(output) if t.requires_grad]
-    if not (kept.handles and differentiable):
-        kept.remove()
-        return output
-    _pending[instance] = kept
+@dataclasses.dataclass(eq=False)
+class Forward(hooks.Kept):
+    """One training forward of a checkpointing model: its intervening hooks, kept for the recomputation of
+    its checkpointed layers and acting only in that forward and those recomputations."""
 
-    def backward_started(grads) -> None:
-        if kept.activations:
-            instance.activations = kept.activations  # what the recomputed interventions read their sources from
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(instance, kept))
+    model: object = None  # the IntervenableModel (a DataParallel replica is a model of its own)
+    finished: bool = False  # the forward has returned: a call of its hooks now is a recomputation
+    released: bool = False
+
+    def wrap(self, hook):
+        hook = on_a_copy_of_the_input(hook)
+
+        def applied_in_its_own_forward_only(module, args, kwargs, *output):
+            if _applying.get() is not self:
+                return None  # another forward, a base-model call, or no forward at all: leave the module be
+            if not self.finished:
+                return hook(module, args, kwargs, *output)
+            live, self.model.activations = self.model.activations, self.activations  # this forward's sources
+            try:
+                return hook(module, args, kwargs, *output)
+            finally:
+                self.model.activations = live
+
+        return applied_in_its_own_forward_only
+
+    def remove(self) -> None:
+        super().remove()
+        self.released = True
+
+
+class _Lease:
+    """Held by what can still recompute a forward's layers (torch's checkpoint frames through the functions
+    they replay, and the forward's outputs through their grad hook); when none is left, the forward's hooks go."""
+
+    __slots__ = ("forward", "__weakref__")
+
+    def __init__(self, forward: Forward):
+        self.forward = forward
+
+
+def _wrap_forward(wrapped, instance, args, kwargs):
+    if not (torch.is_grad_enabled() and instance.training):
+        return wrapped(*args, **kwargs)
+    functions = checkpoint_functions(instance.model)
+    if not functions:
+        return wrapped(*args, **kwargs)
+    forward = Forward(model=instance)
+    lease = _Lease(forward)
+    applying = _applying.set(forward)
+    try:
+        with hooks.setters_kept_alive(instance, forward), _replaying_in(functions, lease):
+            output = wrapped(*args, **kwargs)
+    finally:
+        _applying.reset(applying)
+    forward.finished = True
+    differentiable = [t for t in _tensors(output) if t.requires_grad]
+    if not (forward.handles and differentiable):
+        forward.remove()
+        return output
+    weakref.finalize(lease, forward.remove)  # a forward whose backward never comes: gone with its graph
+
+    def backward_started(grads, lease=lease) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(lease.forward.remove)
 
     torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
     return output
+
+
+@contextlib.contextmanager
+def _replaying_in(functions, lease: _Lease):
+    """For the duration of the forward, each checkpointing module's checkpoint function checkpoints a
+    function that, when backward replays it, makes this forward's hooks the ones that act."""
+    swapped = []
+    try:
+        for owner, name in functions:
+            checkpoint = owner.__dict__[name]
+            owner.__dict__[name] = _checkpointing_with(checkpoint, lease)
+            swapped.append((owner, name, checkpoint))
+        yield
+    finally:
+        for owner, name, checkpoint in reversed(swapped):
+            owner.__dict__[name] = checkpoint
+
+
+def _checkpointing_with(checkpoint, lease: _Lease):
+    def checkpoint_replaying_this_forward(function, *args, **kwargs):
+        return checkpoint(functools.partial(_replay, lease, function), *args, **kwargs)
+
+    return checkpoint_replaying_this_forward
+
+
+def _replay(lease: _Lease, function, *args, **kwargs):
+    forward = lease.forward
+    if _applying.get() is forward:  # the forward itself
+        return function(*args, **kwargs)
+    if forward.released:
+        raise RuntimeError(
+            "pyvene_dist: backward is recomputing a checkpointed layer of a pyvene forward whose backward "
+            "has already run (a second backward through the same outputs, as retain_graph=True allows): "
+            "its interventions are released, and the recomputation would silently run without them. Run "
+            "the forward again before each backward, or train without gradient checkpointing."
+        )
+    applying = _applying.set(forward)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _applying.reset(applying)
 
 
 def on_a_copy_of_the_input(callback):
@@ -105,25 +198,43 @@ def _copy(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def checkpointing(model) -> bool:
-    """Whether some layer of ``model`` recomputes its forward during backward: a transformers layer with
-    ``gradient_checkpointing`` set, or torch's ``CheckpointWrapper``.
+def checkpoint_functions(model) -> list[tuple[object, str]]:
+    """Where the layers of ``model`` that recompute their forward during backward keep their checkpoint
+    function: ``(module, "_gradient_checkpointing_func")`` for a transformers module with
+    ``gradient_checkpointing`` set, ``(module, "checkpoint_fn")`` for torch's ``CheckpointWrapper``.
+
+    A module flagged as checkpointing that keeps no such function (transformers' checkpointing format
+    before 4.35, which calls ``torch.utils.checkpoint`` itself) raises: its recomputation could not be
+    told apart from another forward's.
 
     It runs at every training forward, over every module: an explicit stack over ``_modules`` and the
     instance's own ``__dict__`` cost a fifth of ``model.modules()`` (a generator per level of nesting)
     with ``getattr`` (``nn.Module.__getattr__``'s search for each module lacking the attribute)."""
+    found = []
     stack = [model]
     while stack:
         module = stack.pop()
         if module is None:  # a child slot registered empty
             continue
-        flag = module.__dict__.get("gradient_checkpointing", _UNSET)
+        own = module.__dict__
+        flag = own.get("gradient_checkpointing", _UNSET)
         if flag is _UNSET:
             flag = getattr(type(module), "gradient_checkpointing", False)
-        if flag is True or type(module).__name__ == "CheckpointWrapper":
-            return True
+        if type(module).__name__ == "CheckpointWrapper" and "checkpoint_fn" in own:
+            found.append((module, "checkpoint_fn"))
+        elif flag is True:
+            if "_gradient_checkpointing_func" not in own:
+                raise RuntimeError(
+                    f"pyvene_dist: a {type(module).__name__} has gradient_checkpointing on but no "
+                    "_gradient_checkpointing_func (transformers' format before 4.35, which calls "
+                    "torch.utils.checkpoint itself): backward's recomputation of its layers cannot be matched "
+                    "to the pyvene forward that ran them, so interventions would be silently wrong. Enable "
+                    "checkpointing with gradient_checkpointing_enable() of a current transformers, wrap the "
+                    "layers with torch's checkpoint_wrapper, or turn checkpointing off."
+                )
+            found.append((module, "_gradient_checkpointing_func"))
         stack.extend(module._modules.values())
-    return False
+    return found
 
 
 _UNSET = object()
@@ -134,14 +245,6 @@ def _wrap_output_validation(wrapped, instance, args, kwargs):
     if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
         kept.activations = dict(instance.activations)
     return wrapped(*args, **kwargs)
-
-
-def _release(instance, kept: hooks.Kept | None = None) -> None:
-    pending = _pending.get(instance)
-    if pending is not None and (kept is None or pending is kept):
-        del _pending[instance]
-        pending.remove()
-        instance.activations = {}
 
 
 def _tensors(value):
