@@ -18,7 +18,6 @@ from pyvene_dist.testing import ParityCase
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.2x renames gradient_* to activation_*
 
 MODES = ["reentrant", "non-reentrant"]
-COMPONENTS = ["block_output", "mlp_output"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BATCH, LENGTH = 4, 8
 
@@ -92,7 +91,23 @@ def accumulation(model, device):
     return returned
 
 
-PATTERNS = [dpo, two_forwards, no_grad_between, eval_between, accumulation]
+def retain_graph(model, device):
+    """Two backwards through one forward's graph, the first keeping it."""
+    loss = _policy(model, *_batch(1, device)).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return {}
+
+
+#: Each pattern at components inside transformers 5's checkpointed region (``mlp_output``,
+#: ``attention_output``); the base-model calls also at ``block_output``, a hook on the layer itself,
+#: outside the region: there the forward's own hooks would act in the base model's forward.
+CASES = [
+    *[(pattern, component) for pattern in (dpo, accumulation) for component in ("block_output", "mlp_output")],
+    *[(pattern, component) for pattern in (two_forwards, no_grad_between, eval_between)
+      for component in ("mlp_output", "attention_output")],
+    (retain_graph, "mlp_output"),
+]
 
 
 def _run(pattern, component, checkpointing, device):
@@ -107,8 +122,7 @@ def _run(pattern, component, checkpointing, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("component", COMPONENTS)
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("pattern, component", [pytest.param(p, c, id=f"{p.__name__}-{c}") for p, c in CASES])
 def test_checkpointed_equals_plain(patched, pattern, component, mode, device):
     reference = _run(pattern, component, None, device)
     checkpointed = _run(pattern, component, mode, device)
@@ -116,3 +130,27 @@ def test_checkpointed_equals_plain(patched, pattern, component, mode, device):
     for name, expected in reference.items():
         torch.testing.assert_close(checkpointed[name], expected, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_checkpointing_without_a_checkpoint_function_is_refused(patched):
+    """A module flagged as checkpointing that calls torch.utils.checkpoint itself (transformers' format
+    before 4.35): its recomputation cannot be told apart from another forward's, so the forward raises."""
+    from torch.utils.checkpoint import checkpoint
+
+    class OldFormatCheckpointing(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+            self.gradient_checkpointing = True
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(self.layer.__call__, *args, use_reentrant=False, **kwargs)
+
+    model = ParityCase(component="mlp_output").build()
+    layers = model.model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = OldFormatCheckpointing(layer)
+    model.train()
+    with pytest.raises(RuntimeError, match="OldFormatCheckpointing has gradient_checkpointing on but no "
+                                           "_gradient_checkpointing_func"):
+        _policy(model, *_batch(1, "cpu"))

@@ -66,7 +66,6 @@ class Forward(hooks.Kept):
 
     model: object = None  # the IntervenableModel (a DataParallel replica is a model of its own)
     finished: bool = False  # the forward has returned: a call of its hooks now is a recomputation
-    released: bool = False
 
     def wrap(self, hook):
         hook = on_a_copy_of_the_input(hook)
@@ -84,14 +83,11 @@ class Forward(hooks.Kept):
 
         return applied_in_its_own_forward_only
 
-    def remove(self) -> None:
-        super().remove()
-        self.released = True
-
 
 class _Lease:
-    """Held by what can still recompute a forward's layers (torch's checkpoint frames through the functions
-    they replay, and the forward's outputs through their grad hook); when none is left, the forward's hooks go."""
+    """Held by what can still recompute a forward's layers: the functions torch's checkpoints replay (kept
+    by the graph: non-reentrant in its frames until backward frees them, reentrant on its node). When
+    none is left, the forward's hooks go."""
 
     __slots__ = ("forward", "__weakref__")
 
@@ -114,16 +110,10 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     finally:
         _applying.reset(applying)
     forward.finished = True
-    differentiable = [t for t in _tensors(output) if t.requires_grad]
-    if not (forward.handles and differentiable):
-        forward.remove()
-        return output
-    weakref.finalize(lease, forward.remove)  # a forward whose backward never comes: gone with its graph
-
-    def backward_started(grads, lease=lease) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(lease.forward.remove)
-
-    torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+    # Only the functions torch's checkpoints will replay hold the lease: hooks go as soon as nothing can
+    # recompute this forward (at once when no checkpointed layer holds an intervention, after the
+    # backward that frees the graph, or with a graph dropped unused), and stay for one kept by retain_graph.
+    weakref.finalize(lease, forward.remove)
     return output
 
 
@@ -154,13 +144,6 @@ def _replay(lease: _Lease, function, *args, **kwargs):
     forward = lease.forward
     if _applying.get() is forward:  # the forward itself
         return function(*args, **kwargs)
-    if forward.released:
-        raise RuntimeError(
-            "pyvene_dist: backward is recomputing a checkpointed layer of a pyvene forward whose backward "
-            "has already run (a second backward through the same outputs, as retain_graph=True allows): "
-            "its interventions are released, and the recomputation would silently run without them. Run "
-            "the forward again before each backward, or train without gradient checkpointing."
-        )
     applying = _applying.set(forward)
     try:
         return function(*args, **kwargs)
@@ -245,14 +228,3 @@ def _wrap_output_validation(wrapped, instance, args, kwargs):
     if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
         kept.activations = dict(instance.activations)
     return wrapped(*args, **kwargs)
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
