@@ -51,10 +51,10 @@ def test_hooks_are_gone_after_backward_and_after_no_grad(patched):
     with torch.no_grad():
         model(**arguments)
     assert hook_counts(model) == baseline
-    model(**arguments)  # a forward whose backward never comes ...
+    model(**arguments)  # a forward whose backward never comes: its hooks go with its graph
     model.eval()
     with torch.no_grad():
-        model(**arguments)  # ... is cleaned up by the next one
+        model(**arguments)
     assert hook_counts(model) == baseline
 
 

@@ -9,24 +9,35 @@ number of tensors was saved during the original forward and recomputation``, ree
 pyvene issue #231; this follows the approach of pyvene PR #242).
 
 In a forward that will be differentiated (grad enabled, model in training mode) of a model that
-checkpoints (HF's ``gradient_checkpointing`` flag on any module, as ``activation_checkpointing_enable``
-and transformers 4.x's ``gradient_checkpointing_enable`` set it, or torch's ``CheckpointWrapper`` as
-FSDP and accelerate apply it), the hooks that apply interventions stay registered until that
-forward's backward has finished: a grad hook on the outputs
-(``torch.autograd.graph.register_multi_grad_hook``) queues their removal at the end of that backward
-(``Variable._execution_engine.queue_callback``). Their closures hold the locations and subspaces, so
-the recomputation applies exactly what the forward applied; source activations the intervention read
-are put back for the backward. Hooks a forward left for a backward that never came are removed at the
-next forward. Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup.
+checkpoints (transformers' ``gradient_checkpointing`` flag, as ``activation_checkpointing_enable`` and
+``gradient_checkpointing_enable`` set it with a ``_gradient_checkpointing_func``, or torch's
+``CheckpointWrapper`` as FSDP and accelerate apply it, with its ``checkpoint_fn``), the hooks that apply
+interventions stay registered for the recomputation, and act only where that forward's interventions
+belong:
+
+- while the forward runs, its hooks act; for that time each checkpointing module's checkpoint function
+  is one that checkpoints a *replay* of the layer: when backward recomputes the layer, the replay makes
+  this forward the one whose hooks act (a ``ContextVar``), with the source activations it read. So each
+  recomputation applies exactly the locations, subspaces and sources of the forward that recorded it,
+  however many forwards ran before the backward;
+- anywhere else the kept hooks do nothing: another pyvene forward (training, ``no_grad``, eval), the
+  base model called directly (pyreft's DPO trainer runs its reference forward through ``model.model``),
+  another forward's recomputation;
+- they are removed when nothing can replay the forward any more: the replays hold a lease that torch's
+  checkpoints keep with the graph (non-reentrant in its frames until backward frees them, reentrant on
+  its node until the graph goes). After the backward that frees the graph, or with a graph dropped
+  unused; a graph kept by ``retain_graph`` keeps them for its next backward.
+
+Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup. A module flagged as
+checkpointing without a checkpoint function to replace (transformers' format before 4.35, which calls
+``torch.utils.checkpoint`` itself) is refused with an error naming it: its recomputation could not be
+told apart from another forward's.
 
 In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
 which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
 checkpointed (transformers 4.x and 5.x up to at least 5.17) that hook runs inside the checkpoint, and
 its in-place write would land on the checkpoint's own input (see ``on_a_copy_of_the_input``). Outputs
 and gradients are unchanged; the tensor the previous layer returned keeps its values.
-
-Limit: run each training forward's backward before the next training forward of the same model (as
-HF Trainer, accelerate and every plain loop do, gradient accumulation included).
 
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 """
@@ -110,9 +121,8 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     finally:
         _applying.reset(applying)
     forward.finished = True
-    # Only the functions torch's checkpoints will replay hold the lease: hooks go as soon as nothing can
-    # recompute this forward (at once when no checkpointed layer holds an intervention, after the
-    # backward that frees the graph, or with a graph dropped unused), and stay for one kept by retain_graph.
+    # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
+    # recompute this forward any more (at once if no checkpoint kept a replay).
     weakref.finalize(lease, forward.remove)
     return output
 
