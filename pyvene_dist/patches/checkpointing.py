@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import weakref
 
@@ -70,13 +69,14 @@ def patch(registry) -> None:
     registry.wrap(IntervenableModel, "_output_validation", _wrap_output_validation)
 
 
-@dataclasses.dataclass(eq=False)
-class Forward(hooks.Kept):
-    """One training forward of a checkpointing model: its intervening hooks, kept for the recomputation of
-    its checkpointed layers and acting only in that forward and those recomputations."""
+class Forward:
+    """One training forward of a checkpointing model: its intervening hooks (``kept``), kept for the
+    recomputation of its checkpointed layers and acting only in that forward and those recomputations."""
 
-    model: object = None  # the IntervenableModel (a DataParallel replica is a model of its own)
-    finished: bool = False  # the forward has returned: a call of its hooks now is a recomputation
+    def __init__(self, model):
+        self.model = model  # the IntervenableModel (a DataParallel replica is a model of its own)
+        self.kept: hooks.Kept | None = None  # set as the forward starts
+        self.finished = False  # the forward has returned: a call of its hooks now is a recomputation
 
     def wrap(self, hook):
         hook = on_a_copy_of_the_input(hook)
@@ -86,13 +86,16 @@ class Forward(hooks.Kept):
                 return None  # another forward, a base-model call, or no forward at all: leave the module be
             if not self.finished:
                 return hook(module, args, kwargs, *output)
-            live, self.model.activations = self.model.activations, self.activations  # this forward's sources
+            live, self.model.activations = self.model.activations, self.kept.activations  # its sources
             try:
                 return hook(module, args, kwargs, *output)
             finally:
                 self.model.activations = live
 
         return applied_in_its_own_forward_only
+
+    def remove(self) -> None:
+        self.kept.remove()
 
 
 class _Lease:
@@ -112,11 +115,12 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     functions = checkpoint_functions(instance.model)
     if not functions:
         return wrapped(*args, **kwargs)
-    forward = Forward(model=instance)
+    forward = Forward(instance)
     lease = _Lease(forward)
     applying = _applying.set(forward)
     try:
-        with hooks.setters_kept_alive(instance, forward), _replaying_in(functions, lease):
+        with hooks.setters_kept_alive(instance, wrap_hook=forward.wrap) as forward.kept, \
+                _replaying_in(functions, lease):
             output = wrapped(*args, **kwargs)
     finally:
         _applying.reset(applying)

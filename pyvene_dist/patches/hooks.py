@@ -9,9 +9,10 @@ The fix records the handles pyvene's hook factories (``_intervention_getter``,
 ``_intervention_setter``) return, per model, and ``_remove_forward_hooks`` removes exactly those.
 The record is keyed by the model object, so ``nn.DataParallel`` replicas (shallow copies) keep their own.
 
-``setters_kept_alive(model, kept)`` is for ``patches.checkpointing``: inside it, the handles of the hooks
-that *apply* interventions go to ``kept`` instead of to pyvene, which would remove them when its forward
-returns, before backward recomputes checkpointed layers; what the module calls is ``kept.wrap(hook)``.
+``setters_kept_alive(model)`` is for ``patches.checkpointing``: inside it, the handles of the hooks that
+*apply* interventions are handed to the caller instead of to pyvene, which would remove them when its
+forward returns, before backward recomputes checkpointed layers; the caller may also replace the hooks
+themselves as they are registered (``wrap_hook``).
 
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
@@ -33,16 +34,14 @@ _handles: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary(
 _keeping: "weakref.WeakKeyDictionary[object, Kept]" = weakref.WeakKeyDictionary()
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass
 class Kept:
     """Intervening hooks a forward registered, and the source activations they read, for backward."""
 
     handles: list = dataclasses.field(default_factory=list)
     activations: dict = dataclasses.field(default_factory=dict)
-
-    def wrap(self, hook: Callable) -> Callable:
-        """What the module calls instead of the intervening ``hook`` (for subclasses to change)."""
-        return hook
+    #: Applied to each intervening hook when it is registered (its replacement is what the module calls).
+    wrap_hook: Callable | None = None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -60,7 +59,8 @@ def patch(registry) -> None:
 
 
 @contextlib.contextmanager
-def setters_kept_alive(model, kept: Kept) -> Iterator[Kept]:
+def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kept]:
+    kept = Kept(wrap_hook=wrap_hook)
     _keeping[model] = kept
     try:
         yield kept
@@ -86,10 +86,11 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
     if kept is None:
         return _wrap_hook_factory(wrapped, instance, args, kwargs)
     handler_list = wrapped(*args, **kwargs)
-    for handle in handler_list.handlers:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and handle.id in hooks:
-            hooks[handle.id] = kept.wrap(hooks[handle.id])
+    if kept.wrap_hook is not None:
+        for handle in handler_list.handlers:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                hooks[handle.id] = kept.wrap_hook(hooks[handle.id])
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
 
