@@ -28,16 +28,16 @@ belong:
   its node until the graph goes). After the backward that frees the graph, or with a graph dropped
   unused; a graph kept by ``retain_graph`` keeps them for its next backward.
 
-Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup. A module flagged as
-checkpointing without a checkpoint function to replace (transformers' format before 4.35, which calls
-``torch.utils.checkpoint`` itself) is refused with an error naming it: its recomputation could not be
-told apart from another forward's.
-
 In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
 which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
 checkpointed (transformers 4.x and 5.x up to at least 5.17) that hook runs inside the checkpoint, and
 its in-place write would land on the checkpoint's own input (see ``on_a_copy_of_the_input``). Outputs
 and gradients are unchanged; the tensor the previous layer returned keeps its values.
+
+Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup. A module flagged as
+checkpointing without a checkpoint function to replace (transformers' format before 4.35, which calls
+``torch.utils.checkpoint`` itself) is refused with an error naming it: its recomputation could not be
+told apart from another forward's.
 
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 """
