@@ -2,10 +2,9 @@
 interventions of the forward that recorded it, and the base model called directly sees none.
 
 Every case runs the same steps on the same model twice, without checkpointing (the reference) and with
-it, and compares what came out: intervention gradients and any logits the steps return. On a GPU
-(``cuda`` available) the cases run there too:
-
-    pytest tests/test_checkpointing_forwards.py -k cuda
+it, and compares what came out: intervention gradients and any logits the steps return. With a GPU
+the cases run there too (backward, and so the recomputation, then runs on the autograd engine's device
+thread): ``pytest tests/test_checkpointing_forwards.py -k cuda``.
 """
 
 import warnings
@@ -18,7 +17,7 @@ from pyvene_dist.testing import ParityCase
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.2x renames gradient_* to activation_*
 
 MODES = ["reentrant", "non-reentrant"]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpus(1))]
 BATCH, LENGTH = 4, 8
 
 
