@@ -1,5 +1,6 @@
 """Gradient checkpointing: interventions survive the recomputation, at every component, both modes."""
 
+import functools
 import warnings
 
 import pytest
@@ -50,10 +51,10 @@ def test_hooks_are_gone_after_backward_and_after_no_grad(patched):
     with torch.no_grad():
         model(**arguments)
     assert hook_counts(model) == baseline
-    model(**arguments)  # a forward whose backward never comes ...
+    model(**arguments)  # a forward whose backward never comes: its hooks go with its graph
     model.eval()
     with torch.no_grad():
-        model(**arguments)  # ... is cleaned up by the next one
+        model(**arguments)
     assert hook_counts(model) == baseline
 
 
@@ -68,14 +69,16 @@ def test_call_boundary_as_transformers_4_checkpoints_it(patched, component):
     reference = train(case, "single")
 
     class CheckpointedCall(torch.nn.Module):
-        gradient_checkpointing = True  # the flag transformers 4.x set on checkpointing modules
+        """What transformers 4.x's model forward does for each layer, through the attributes it sets."""
 
         def __init__(self, layer):
             super().__init__()
             self.layer = layer
+            self.gradient_checkpointing = True
+            self._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
         def forward(self, *args, **kwargs):
-            return checkpoint(self.layer.__call__, *args, use_reentrant=False, **kwargs)
+            return self._gradient_checkpointing_func(self.layer.__call__, *args, **kwargs)
 
     original_build = ParityCase.build
 

@@ -9,15 +9,24 @@ number of tensors was saved during the original forward and recomputation``, ree
 pyvene issue #231; this follows the approach of pyvene PR #242).
 
 In a forward that will be differentiated (grad enabled, model in training mode) of a model that
-checkpoints (HF's ``gradient_checkpointing`` flag on any module, as ``activation_checkpointing_enable``
-and transformers 4.x's ``gradient_checkpointing_enable`` set it, or torch's ``CheckpointWrapper`` as
-FSDP and accelerate apply it), the hooks that apply interventions stay registered until that
-forward's backward has finished: a grad hook on the outputs
-(``torch.autograd.graph.register_multi_grad_hook``) queues their removal at the end of that backward
-(``Variable._execution_engine.queue_callback``). Their closures hold the locations and subspaces, so
-the recomputation applies exactly what the forward applied; source activations the intervention read
-are put back for the backward. Hooks a forward left for a backward that never came are removed at the
-next forward. Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup.
+checkpoints (transformers' ``gradient_checkpointing`` flag, as ``activation_checkpointing_enable`` and
+``gradient_checkpointing_enable`` set it with a ``_gradient_checkpointing_func``, or torch's
+``CheckpointWrapper`` as FSDP and accelerate apply it, with its ``checkpoint_fn``), the hooks that apply
+interventions stay registered for the recomputation, and act only where that forward's interventions
+belong:
+
+- while the forward runs, its hooks act; for that time each checkpointing module's checkpoint function
+  is one that checkpoints a *replay* of the layer: when backward recomputes the layer, the replay makes
+  this forward the one whose hooks act (a ``ContextVar``), with the source activations it read. So each
+  recomputation applies exactly the locations, subspaces and sources of the forward that recorded it,
+  however many forwards ran before the backward;
+- anywhere else the kept hooks do nothing: another pyvene forward (training, ``no_grad``, eval), the
+  base model called directly (pyreft's DPO trainer runs its reference forward through ``model.model``),
+  another forward's recomputation;
+- they are removed when nothing can replay the forward any more: the replays hold a lease that torch's
+  checkpoints keep with the graph (non-reentrant in its frames until backward frees them, reentrant on
+  its node until the graph goes). After the backward that frees the graph, or with a graph dropped
+  unused; a graph kept by ``retain_graph`` keeps them for its next backward.
 
 In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
 which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
@@ -25,14 +34,18 @@ checkpointed (transformers 4.x and 5.x up to at least 5.17) that hook runs insid
 its in-place write would land on the checkpoint's own input (see ``on_a_copy_of_the_input``). Outputs
 and gradients are unchanged; the tensor the previous layer returned keeps its values.
 
-Limit: run each training forward's backward before the next training forward of the same model (as
-HF Trainer, accelerate and every plain loop do, gradient accumulation included).
+Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate cleanup. A module flagged as
+checkpointing without a checkpoint function to replace (transformers' format before 4.35, which calls
+``torch.utils.checkpoint`` itself) is refused with an error naming it: its recomputation could not be
+told apart from another forward's.
 
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
 
@@ -44,7 +57,9 @@ SITES = (
     "pyvene.models.intervenable_base:IntervenableModel.forward",
     "pyvene.models.intervenable_base:IntervenableModel._output_validation",
 )
-_pending: "weakref.WeakKeyDictionary[object, hooks.Kept]" = weakref.WeakKeyDictionary()
+#: The forward whose interventions apply now in this thread: the one running, or the one whose
+#: checkpointed layer backward is recomputing. None outside both, where every kept hook is inert.
+_applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
 
 
 def patch(registry) -> None:
@@ -54,25 +69,100 @@ def patch(registry) -> None:
     registry.wrap(IntervenableModel, "_output_validation", _wrap_output_validation)
 
 
+class Forward:
+    """One training forward of a checkpointing model: its intervening hooks (``kept``), kept for the
+    recomputation of its checkpointed layers and acting only in that forward and those recomputations."""
+
+    def __init__(self, model):
+        self.model = model  # the IntervenableModel (a DataParallel replica is a model of its own)
+        self.kept: hooks.Kept | None = None  # set as the forward starts
+        self.finished = False  # the forward has returned: a call of its hooks now is a recomputation
+
+    def wrap(self, hook):
+        hook = on_a_copy_of_the_input(hook)
+
+        def applied_in_its_own_forward_only(module, args, kwargs, *output):
+            if _applying.get() is not self:
+                return None  # another forward, a base-model call, or no forward at all: leave the module be
+            if not self.finished:
+                return hook(module, args, kwargs, *output)
+            live, self.model.activations = self.model.activations, self.kept.activations  # its sources
+            try:
+                return hook(module, args, kwargs, *output)
+            finally:
+                self.model.activations = live
+
+        return applied_in_its_own_forward_only
+
+    def remove(self) -> None:
+        self.kept.remove()
+
+
+class _Lease:
+    """Held by what can still recompute a forward's layers: the functions torch's checkpoints replay (kept
+    by the graph: non-reentrant in its frames until backward frees them, reentrant on its node). When
+    none is left, the forward's hooks go."""
+
+    __slots__ = ("forward", "__weakref__")
+
+    def __init__(self, forward: Forward):
+        self.forward = forward
+
+
 def _wrap_forward(wrapped, instance, args, kwargs):
-    _release(instance)
-    if not (torch.is_grad_enabled() and instance.training and checkpointing(instance.model)):
+    if not (torch.is_grad_enabled() and instance.training):
         return wrapped(*args, **kwargs)
-    with hooks.setters_kept_alive(instance, wrap_hook=on_a_copy_of_the_input) as kept:
-        output = wrapped(*args, **kwargs)
-    differentiable = [t for t in _tensors(output) if t.requires_grad]
-    if not (kept.handles and differentiable):
-        kept.remove()
-        return output
-    _pending[instance] = kept
-
-    def backward_started(grads) -> None:
-        if kept.activations:
-            instance.activations = kept.activations  # what the recomputed interventions read their sources from
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(instance, kept))
-
-    torch.autograd.graph.register_multi_grad_hook(differentiable, backward_started, mode="any")
+    functions = checkpoint_functions(instance.model)
+    if not functions:
+        return wrapped(*args, **kwargs)
+    forward = Forward(instance)
+    lease = _Lease(forward)
+    applying = _applying.set(forward)
+    try:
+        with hooks.setters_kept_alive(instance, wrap_hook=forward.wrap) as forward.kept, \
+                _replaying_in(functions, lease):
+            output = wrapped(*args, **kwargs)
+    finally:
+        _applying.reset(applying)
+    forward.finished = True
+    # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
+    # recompute this forward any more (at once if no checkpoint kept a replay).
+    weakref.finalize(lease, forward.remove)
     return output
+
+
+@contextlib.contextmanager
+def _replaying_in(functions, lease: _Lease):
+    """For the duration of the forward, each checkpointing module's checkpoint function checkpoints a
+    function that, when backward replays it, makes this forward's hooks the ones that act."""
+    swapped = []
+    try:
+        for owner, name in functions:
+            checkpoint = owner.__dict__[name]
+            owner.__dict__[name] = _checkpointing_with(checkpoint, lease)
+            swapped.append((owner, name, checkpoint))
+        yield
+    finally:
+        for owner, name, checkpoint in reversed(swapped):
+            owner.__dict__[name] = checkpoint
+
+
+def _checkpointing_with(checkpoint, lease: _Lease):
+    def checkpoint_replaying_this_forward(function, *args, **kwargs):
+        return checkpoint(functools.partial(_replay, lease, function), *args, **kwargs)
+
+    return checkpoint_replaying_this_forward
+
+
+def _replay(lease: _Lease, function, *args, **kwargs):
+    forward = lease.forward
+    if _applying.get() is forward:  # the forward itself
+        return function(*args, **kwargs)
+    applying = _applying.set(forward)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _applying.reset(applying)
 
 
 def on_a_copy_of_the_input(callback):
@@ -105,25 +195,43 @@ def _copy(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def checkpointing(model) -> bool:
-    """Whether some layer of ``model`` recomputes its forward during backward: a transformers layer with
-    ``gradient_checkpointing`` set, or torch's ``CheckpointWrapper``.
+def checkpoint_functions(model) -> list[tuple[object, str]]:
+    """Where the layers of ``model`` that recompute their forward during backward keep their checkpoint
+    function: ``(module, "_gradient_checkpointing_func")`` for a transformers module with
+    ``gradient_checkpointing`` set, ``(module, "checkpoint_fn")`` for torch's ``CheckpointWrapper``.
+
+    A module flagged as checkpointing that keeps no such function (transformers' checkpointing format
+    before 4.35, which calls ``torch.utils.checkpoint`` itself) raises: its recomputation could not be
+    told apart from another forward's.
 
     It runs at every training forward, over every module: an explicit stack over ``_modules`` and the
     instance's own ``__dict__`` cost a fifth of ``model.modules()`` (a generator per level of nesting)
     with ``getattr`` (``nn.Module.__getattr__``'s search for each module lacking the attribute)."""
+    found = []
     stack = [model]
     while stack:
         module = stack.pop()
         if module is None:  # a child slot registered empty
             continue
-        flag = module.__dict__.get("gradient_checkpointing", _UNSET)
+        own = module.__dict__
+        flag = own.get("gradient_checkpointing", _UNSET)
         if flag is _UNSET:
             flag = getattr(type(module), "gradient_checkpointing", False)
-        if flag is True or type(module).__name__ == "CheckpointWrapper":
-            return True
+        if type(module).__name__ == "CheckpointWrapper" and "checkpoint_fn" in own:
+            found.append((module, "checkpoint_fn"))
+        elif flag is True:
+            if "_gradient_checkpointing_func" not in own:
+                raise RuntimeError(
+                    f"pyvene_dist: a {type(module).__name__} has gradient_checkpointing on but no "
+                    "_gradient_checkpointing_func (transformers' format before 4.35, which calls "
+                    "torch.utils.checkpoint itself): backward's recomputation of its layers cannot be matched "
+                    "to the pyvene forward that ran them, so interventions would be silently wrong. Enable "
+                    "checkpointing with gradient_checkpointing_enable() of a current transformers, wrap the "
+                    "layers with torch's checkpoint_wrapper, or turn checkpointing off."
+                )
+            found.append((module, "_gradient_checkpointing_func"))
         stack.extend(module._modules.values())
-    return False
+    return found
 
 
 _UNSET = object()
@@ -134,22 +242,3 @@ def _wrap_output_validation(wrapped, instance, args, kwargs):
     if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
         kept.activations = dict(instance.activations)
     return wrapped(*args, **kwargs)
-
-
-def _release(instance, kept: hooks.Kept | None = None) -> None:
-    pending = _pending.get(instance)
-    if pending is not None and (kept is None or pending is kept):
-        del _pending[instance]
-        pending.remove()
-        instance.activations = {}
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
