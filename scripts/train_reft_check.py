@@ -1,7 +1,7 @@
 """docs/examples/train_reft.py end to end on one GPU: a 1B-class Llama in bf16 with gradient checkpointing,
 trained, saved in pyreft's format, reloaded in a fresh process (docs/examples/serve_reft.py) and answering.
 
-    python scripts/train_reft_check.py                 # on a GPU: 1.0B parameters (TinyLlama's layers)
+    source scripts/gpu_env.sh && python3 scripts/train_reft_check.py     # on one GPU: 1.0B parameters
     python scripts/train_reft_check.py --tiny          # anywhere, in a minute: hidden 32, 2 layers
 
 The model is built from a LlamaConfig and saved with a BPE tokenizer into $OUT/checkpoint (nothing is
@@ -73,7 +73,8 @@ def main():
     served = out / "served.pt"
     subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "serve_reft.py"), "--model", str(checkpoint),
                     "--interventions", str(run / "reft"), "--positions", "f1+l1", "--dtype", dtype,
-                    "--prompt", PROMPT, "--out", str(served)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    "--prompt", PROMPT, "--out", str(served)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     trained, reloaded = torch.load(run / "answer.pt"), torch.load(served)
     scale = trained["logits"].abs().max().item()
     logits_difference = (trained["logits"] - reloaded["logits"]).abs().max().item() / scale
