@@ -63,13 +63,32 @@ BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smok
 RUN_HERE: dict[str, int] = {
     "pyvene-dist check --strategies ddp,fsdp2 --world-sizes 1,2 --steps 2": 0,
     "pyvene-dist check --model gpt2 --dtype bfloat16 --strategies ddp --json": 0,
-    "python docs/examples/train_reft.py": 0,
-    "torchrun --nproc_per_node 2 docs/examples/train_reft.py": 0,
-    "torchrun --nproc_per_node 2 docs/examples/train_reft.py --deepspeed docs/configs/deepspeed-zero3.json": 0,
+}
+
+#: docs/examples/train_reft.py on a checkpoint folder, under each launcher (tests/test_launchers.py).
+TRAIN_REFT = "tests/test_launchers.py::test_train_reft_under_a_launcher_matches_one_process"
+_REFT_ARGS = "--model path/to/model --data train.json --output_dir out"
+_TWO_NODES = ("torchrun --nnodes 2 --nproc_per_node 1 --node_rank {} --rdzv_backend c10d --rdzv_endpoint localhost:29500 "
+              "docs/examples/train_reft.py " + _REFT_ARGS)
+TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
+    f"python docs/examples/train_reft.py {_REFT_ARGS}": RunBy("tests/test_launchers.py::"
+                                                             "test_one_process_logs_saves_and_answers", ("[[TRAIN]]",)),
+    f"torchrun --nproc_per_node 2 docs/examples/train_reft.py {_REFT_ARGS}":
+        RunBy(TRAIN_REFT, ('"--nproc_per_node", "2"', '"torchrun": _torchrun')),
+    **{_TWO_NODES.format(rank): RunBy(TRAIN_REFT, ('"--nnodes", "2"', '"--rdzv_backend", "c10d"', "localhost:"))
+       for rank in (0, 1)},
+    **{f"accelerate launch --config_file docs/configs/accelerate-{name}.yaml docs/examples/train_reft.py {_REFT_ARGS}":
+       RunBy(TRAIN_REFT, (f'_accelerate("accelerate-{name}.yaml")', "accelerate.commands.launch"))
+       for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload")},
+    'python docs/examples/serve_reft.py --model path/to/model --interventions out/reft --positions f1+l1 --prompt '
+    '"red cat runs"': RunBy("tests/test_launchers.py::test_reloaded_interventions_answer_as_the_trained_model",
+                            ("serve_each.py", "PROMPT = \"red cat runs\"", 'POSITIONS = "f1+l1"'),
+                            note="serve_each.py runs serve_reft.py's load, for each trained folder, in one process"),
 }
 
 #: Commands other tests (or CI's setup) run.
 RUN_BY: dict[str, RunBy] = {
+    **TRAIN_REFT_COMMANDS,
     "bash scripts/setup.sh": CI,
     ".venv/bin/python -m pytest": CI,
     "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),
@@ -140,8 +159,12 @@ RUN_BY: dict[str, RunBy] = {
 CONFIGS = {
     "accelerate-ddp.yaml": ACCELERATE_LAUNCH,
     "accelerate-fsdp2.yaml": ACCELERATE_LAUNCH,
-    "deepspeed-zero3.json": "tests/test_docs.py::test_the_command_runs_here",
-    "deepspeed-zero3-offload.json": "tests/test_docs.py::test_deepspeed_configs_are_the_tests_configs",
+    "accelerate-zero2.yaml": TRAIN_REFT,
+    "accelerate-zero3.yaml": TRAIN_REFT,
+    "accelerate-zero3-offload.yaml": TRAIN_REFT,
+    "deepspeed-zero2.json": "tests/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
+    "deepspeed-zero3.json": "tests/test_launchers.py::test_zero3_loads_the_checkpoint_partitioned",
+    "deepspeed-zero3-offload.json": "tests/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
 }
 
 
@@ -346,7 +369,7 @@ def test_a_block_naming_a_file_is_that_file(block):
     path = copied_file(block)
     body = block.text.split("\n", 1)[1]
     assert body == path.read_text(), f"{block.where} is not {path.relative_to(ROOT)} any more: copy it again"
-    assert any(str(path.relative_to(ROOT)) in command for command in RUN_HERE), f"nothing in RUN_HERE runs {path}"
+    assert any(str(path.relative_to(ROOT)) in command for command in RUN_HERE | RUN_BY), f"nothing runs {path}"
 
 
 @pytest.mark.slow
@@ -399,11 +422,22 @@ def test_config_files_are_the_ones_the_tests_use():
     assert not missing, f"the docs name config files that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("name, stage", [("deepspeed-zero3.json", "3"), ("deepspeed-zero3-offload.json", "3-offload")])
-def test_deepspeed_configs_are_the_tests_configs(name, stage):
+@pytest.mark.parametrize("name, stage", [("deepspeed-zero2.json", "2"), ("deepspeed-zero3.json", "3"),
+                                         ("deepspeed-zero3-offload.json", "3-offload")])
+def test_deepspeed_configs_carry_the_measured_settings(name, stage):
+    """The tests' config (what every DeepSpeed test trains with), plus the memory settings behind the figures in
+    docs/strategies/deepspeed.md (its JSON block, the ones that apply at the stage) and bf16 left to HF."""
     from pyvene_dist.testing.hf import deepspeed_config
 
-    assert json.loads((ROOT / "docs" / "configs" / name).read_text()) == deepspeed_config(stage)
+    shipped = json.loads((ROOT / "docs" / "configs" / name).read_text())
+    page = (ROOT / "docs" / "strategies" / "deepspeed.md").read_text()
+    measured = json.loads(re.search(r"```json\n(\{\"zero_optimization\": \{\"stage\": 3.*?)```", page, re.S)
+                          .group(1))["zero_optimization"]
+    expected = deepspeed_config(stage)
+    expected["bf16"] = {"enabled": "auto"}
+    expected["zero_optimization"].update({key: value for key, value in measured.items()
+                                          if key != "stage" and (stage != "2" or not key.startswith("stage3_"))})
+    assert shipped == expected
 
 
 def test_every_page_is_linked_from_the_index():

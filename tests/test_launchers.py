@@ -1,11 +1,13 @@
-"""The slower tier: real launchers (torchrun) with the scripts users write."""
+"""The slower tier: real launchers (torchrun, accelerate launch, deepspeed) with the scripts users write."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from launchers import run_launcher
+from launchers import run_launcher, run_together
 from pyvene_dist.testing import ParityCase, assert_parity
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -70,3 +72,166 @@ def test_torchrun_hf_trainer_fsdp_matches_one_process(tmp_path, version):
     sharded = launch(tmp_path, 2, "--fsdp", str(version))
     print(f"HF Trainer FSDP{version}: 1 process {single.losses}\n2 processes {sharded.losses}")
     assert_parity(single, sharded, ParityCase().tolerance)
+
+
+# --- docs/examples/train_reft.py on a checkpoint folder, under every launcher --------------------------------
+
+ROOT = Path(__file__).parents[1]
+EXAMPLES = ROOT / "docs" / "examples"
+CONFIGS = ROOT / "docs" / "configs"
+TRAIN = str(EXAMPLES / "train_reft.py")
+PROMPT = "red cat runs"
+POSITIONS = "f1+l1"  # first and last prompt token: two interventions at each of the two layers
+GLOBAL_BATCH, STEPS = 4, 3
+FLAGS = ("--positions", POSITIONS, "--max_steps", str(STEPS), "--learning_rate", "1e-2", "--logging_steps", "1",
+         "--lr_scheduler_type", "constant", "--train_sampling_strategy", "sequential", "--save_strategy", "no",
+         "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--prompt", PROMPT)
+
+
+def _torchrun(port):
+    return [["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), TRAIN]]
+
+
+def _torchrun_two_nodes(port):
+    """Two nodes of one process each, simulated on this machine: one torchrun per node, c10d rendezvous."""
+    return [["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", TRAIN] for rank in (0, 1)]
+
+
+def _accelerate(config):
+    def command(port):
+        return [["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+                 "--main_process_port", str(port), TRAIN]]
+    return command
+
+
+#: Each starts 2 processes in all. On CPU accelerate's FSDP config trains DDP (accelerate applies FSDP on GPUs
+#: only); its DeepSpeed configs run DeepSpeed.
+LAUNCHES = {
+    "torchrun": _torchrun,
+    "torchrun-2-nodes": _torchrun_two_nodes,
+    "accelerate-ddp.yaml": _accelerate("accelerate-ddp.yaml"),
+    "accelerate-fsdp2.yaml": _accelerate("accelerate-fsdp2.yaml"),
+    "accelerate-zero2.yaml": _accelerate("accelerate-zero2.yaml"),
+    "accelerate-zero3.yaml": _accelerate("accelerate-zero3.yaml"),
+    "accelerate-zero3-offload.yaml": _accelerate("accelerate-zero3-offload.yaml"),
+}
+
+
+@dataclasses.dataclass
+class Trained:
+    """What train_reft.py wrote: HF Trainer's log, pyreft's saved interventions, the answer to PROMPT."""
+
+    output_dir: Path
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+    answer: dict
+
+
+def read_trained(output_dir: Path) -> Trained:
+    log = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    saved = output_dir / "reft"
+    assert (saved / "config.json").is_file(), f"{saved} is not in pyreft's layout"
+    weights = {f"{path.name}:{key}": value for path in sorted(saved.glob("intkey_*.bin"))
+               for key, value in torch.load(path).items()}
+    return Trained(output_dir, [entry["loss"] for entry in log if "loss" in entry], weights,
+                   torch.load(output_dir / "answer.pt"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """A model folder as users bring one (tiny Llama, a real BPE tokenizer) and a JSON file of examples."""
+    from pyvene_dist.testing.models import instruction_examples, save_checkpoint
+
+    folder = save_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+    (folder / "train.json").write_text(json.dumps(instruction_examples(GLOBAL_BATCH * STEPS)))
+    return folder
+
+
+def train_reft(checkpoint, output_dir: Path, launcher=None, world_size=1) -> Trained:
+    from pyvene_dist.testing.launch import free_port
+
+    arguments = ["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *FLAGS,
+                 "--output_dir", str(output_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]
+    commands = LAUNCHES[launcher](free_port()) if launcher else [[TRAIN]]
+    run_together([[*command, *arguments] for command in commands], cwd=ROOT, timeout=600)
+    return read_trained(output_dir)
+
+
+@pytest.fixture(scope="session")
+def one_process(checkpoint, tmp_path_factory):
+    return train_reft(checkpoint, tmp_path_factory.mktemp("one-process"))
+
+
+@pytest.fixture(scope="session")
+def launched(checkpoint, tmp_path_factory):
+    """Each launcher's run, made once in the session by the first test that asks for it."""
+    runs = {}
+
+    def get(launcher):
+        if launcher not in runs:
+            runs[launcher] = train_reft(checkpoint, tmp_path_factory.mktemp(launcher), launcher, world_size=2)
+        return runs[launcher]
+    return get
+
+
+def test_one_process_logs_saves_and_answers(one_process):
+    assert len(one_process.losses) == STEPS
+    assert len({name.split(":")[0] for name in one_process.weights}) == 4  # 2 layers x first and last position
+    assert one_process.answer["ids"].shape[0] > 3 and one_process.answer["text"].startswith(f" {PROMPT}")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHES)
+def test_train_reft_under_a_launcher_matches_one_process(one_process, launched, launcher):
+    trained = launched(launcher)
+    print(f"{launcher}: losses {trained.losses}, one process {one_process.losses}")
+    torch.testing.assert_close(torch.tensor(trained.losses), torch.tensor(one_process.losses), rtol=1e-5, atol=0)
+    assert trained.weights.keys() == one_process.weights.keys()
+    for name, expected in one_process.weights.items():
+        torch.testing.assert_close(trained.weights[name], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(),
+                                   msg=lambda message, name=name: f"{launcher}, {name}: {message}")
+
+
+#: Where the interventions were trained: DDP, FSDP2 (on GPUs; on CPU accelerate trains DDP), ZeRO-3.
+SERVED = {"ddp": "torchrun", "fsdp2": "accelerate-fsdp2.yaml", "zero3": "accelerate-zero3.yaml"}
+
+
+@pytest.fixture(scope="session")
+def served(checkpoint, launched, tmp_path_factory):
+    """A fresh process loads each saved set with pyreft's ReftModel.load and answers PROMPT: serve_each.py runs
+    docs/examples/serve_reft.py's ``load`` for each folder in turn (one process start instead of three)."""
+    folders = {strategy: str(launched(launcher).output_dir / "reft") for strategy, launcher in SERVED.items()}
+    out = tmp_path_factory.mktemp("served") / "answers.pt"
+    run_together([[str(ROOT / "tests" / "scripts" / "serve_each.py"), str(out), str(checkpoint), PROMPT, POSITIONS,
+                   *folders.values()]], cwd=ROOT)
+    answers = torch.load(out)
+    return {strategy: answers[folder] for strategy, folder in folders.items()}
+
+
+@pytest.mark.parametrize("strategy", SERVED)
+def test_reloaded_interventions_answer_as_the_trained_model(launched, served, strategy):
+    trained = launched(SERVED[strategy]).answer
+    print(f"{strategy}: trained {trained['text']!r}, reloaded {served[strategy]['text']!r}")
+    torch.testing.assert_close(served[strategy]["logits"], trained["logits"], rtol=1e-5,
+                               atol=1e-5 * trained["logits"].abs().max().item())
+    assert served[strategy]["ids"].tolist() == trained["ids"].tolist()
+
+
+def test_zero3_loads_the_checkpoint_partitioned(checkpoint, tmp_path):
+    """Arguments first, then from_pretrained: every parameter arrives partitioned (zero.Init), none whole."""
+    from safetensors import safe_open
+
+    from pyvene_dist.testing.launch import free_port
+
+    out = tmp_path / "state.pt"
+    run_together([["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                   str(ROOT / "tests" / "scripts" / "zero3_load_probe.py"), str(out), "--model", str(checkpoint),
+                   "--data", str(checkpoint / "train.json"), "--use_cpu", "--output_dir", str(tmp_path),
+                   "--deepspeed", str(CONFIGS / "deepspeed-zero3.json")]], cwd=ROOT)
+    state = torch.load(out)
+    with safe_open(checkpoint / "model.safetensors", "pt") as weights:
+        sizes = {name: weights.get_slice(name).get_shape() for name in weights.keys()}
+    assert set(state) == set(sizes)
+    for name, shape in sizes.items():
+        assert state[name] == {"ds_id": True, "ds_status": "ZeroParamStatus.NOT_AVAILABLE", "numel": 0,
+                               "ds_numel": torch.Size(shape).numel()}, name

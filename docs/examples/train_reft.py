@@ -1,11 +1,21 @@
-"""LoReFT with pyreft's ReftTrainer (HF Trainer) after pyvene_dist.patch(): one process, or any launcher.
+"""Train ReFT interventions on your own model with pyreft, on one device or under any launcher.
 
-    python docs/examples/train_reft.py
-    torchrun --nproc_per_node 2 docs/examples/train_reft.py
-    torchrun --nproc_per_node 2 docs/examples/train_reft.py --deepspeed docs/configs/deepspeed-zero3.json
+    python docs/examples/train_reft.py --model PATH --data train.json --output_dir out
+    torchrun --nproc_per_node 2 docs/examples/train_reft.py --model PATH --data train.json --output_dir out
+    accelerate launch --config_file docs/configs/accelerate-ddp.yaml docs/examples/train_reft.py --model PATH ...
+    accelerate launch --config_file docs/configs/accelerate-zero3.yaml docs/examples/train_reft.py --model PATH ...
+
+``--model`` is a folder (or hub name) holding the model and its tokenizer; ``--data`` a JSON list (or
+JSONL) of {"instruction": ..., "output": ...}. Every HF ``TrainingArguments`` flag works as with HF
+Trainer (``--bf16``, ``--gradient_checkpointing``, ``--deepspeed``, ``--per_device_train_batch_size``).
+The interventions are saved once, in pyreft's format (``ReftModel.save``), to ``--save_dir``
+(default ``OUTPUT_DIR/reft``); ``docs/examples/serve_reft.py`` loads them for generation.
 """
 
-import argparse
+import dataclasses
+import json
+import os
+import tempfile
 
 import torch
 
@@ -14,44 +24,147 @@ import pyvene_dist
 pyvene_dist.patch()  # before pyreft builds the model
 
 import pyreft  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+import transformers  # noqa: E402
+from pyvene_dist.gather import gathered  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--deepspeed", help="a DeepSpeed JSON config, e.g. docs/configs/deepspeed-zero3.json")
-options = parser.parse_args()
+logger = transformers.utils.logging.get_logger("train_reft")
 
-# Your model: AutoModelForCausalLM.from_pretrained(...). Here a tiny Llama built from a config, so nothing
-# is downloaded. Every process builds the same model and interventions: seed first.
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)
-model = LlamaForCausalLM(config)
 
-# LoReFT, rank 4, on the output of both decoder layers.
-reft_config = pyreft.ReftConfig(representations=[
-    {"layer": layer, "component": "block_output", "low_rank_dimension": 4,
-     "intervention": pyreft.LoreftIntervention(embed_dim=config.hidden_size, low_rank_dimension=4, dtype=model.dtype)}
-    for layer in range(config.num_hidden_layers)
-])
-reft_model = pyreft.get_reft_model(model, reft_config)
-reft_model.print_trainable_parameters()
+@dataclasses.dataclass
+class ReftArguments:
+    model: str = dataclasses.field(metadata={"help": "a model folder or hub name, with its tokenizer"})
+    data: str = dataclasses.field(metadata={"help": "JSON list or JSONL of {'instruction': ..., 'output': ...}"})
+    layers: str = dataclasses.field(default="all", metadata={"help": "'all', or layer numbers as '2;10;18'"})
+    positions: str = dataclasses.field(default="l1", metadata={"help": "prompt positions: first n and last n, "
+                                                                       "as pyreft writes them: 'f1+l1', 'l1'"})
+    share_weights: bool = dataclasses.field(default=False, metadata={"help": "one intervention for f and l"})
+    component: str = dataclasses.field(default="block_output", metadata={"help": "where in each layer"})
+    rank: int = dataclasses.field(default=4, metadata={"help": "low_rank_dimension"})
+    intervention: str = dataclasses.field(default="LoreftIntervention", metadata={"help": "a pyreft class"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "of the model and the interventions"})
+    save_dir: str = dataclasses.field(default=None, metadata={"help": "default: OUTPUT_DIR/reft"})
+    prompt: str = dataclasses.field(default=None, metadata={"help": "after training, answer it greedily and "
+                                                                    "save the answer to OUTPUT_DIR/answer.pt"})
+    max_new_tokens: int = dataclasses.field(default=16, metadata={"help": "for --prompt"})
 
-# pyreft's examples: tokens, labels, and the positions each intervention acts on ([interventions, positions]).
-tokens = torch.randint(config.vocab_size, (32, 16), generator=torch.Generator().manual_seed(1))
-examples = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
-             "intervention_locations": torch.tensor([[7], [7]])} for ids in tokens]
 
-arguments = TrainingArguments(
-    output_dir="/tmp/train_reft", per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2,
-    logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-    deepspeed=options.deepspeed,
-)
-trainer = pyreft.ReftTrainer(model=reft_model, args=arguments, train_dataset=examples)
-trainer.train()
+def parse_arguments(argv=None):
+    parser = transformers.HfArgumentParser((ReftArguments, transformers.TrainingArguments))
+    reft_args, training_args = parser.parse_args_into_dataclasses(argv)
+    if not hasattr(pyreft, reft_args.intervention):
+        parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
+    if not isinstance(getattr(torch, reft_args.dtype, None), torch.dtype):
+        parser.error(f"--dtype {reft_args.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+    return reft_args, training_args
 
-# Leave the process group HF Trainer joined under torchrun before the interpreter exits: gloo's threads
-# otherwise outlive it ("terminate called without an active exception"). The barrier first, so that no
-# rank tears its connections down while another still uses them.
-if torch.distributed.is_initialized():
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+
+def load_model(reft_args):
+    """The tokenizer and model from ``--model``. Called after ``TrainingArguments`` exist: with a ZeRO-3
+    config they have set up DeepSpeed, and ``from_pretrained`` loads each parameter partitioned (zero.Init)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reft_args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    model = transformers.AutoModelForCausalLM.from_pretrained(reft_args.model, dtype=getattr(torch, reft_args.dtype))
+    return tokenizer, model
+
+
+def interventions_per_layer(reft_args) -> int:
+    """pyreft gives the first and the last positions their own interventions unless told to share."""
+    first, last = pyreft.parse_positions(reft_args.positions)
+    return 2 if first and last and not reft_args.share_weights else 1
+
+
+def build_reft_model(reft_args, model):
+    count = model.config.num_hidden_layers
+    layers = list(range(count)) if reft_args.layers == "all" else [int(n) for n in reft_args.layers.split(";")]
+    if not all(0 <= layer < count for layer in layers):
+        raise ValueError(f"--layers {reft_args.layers!r}: the model has layers 0 to {count - 1}")
+    intervention = getattr(pyreft, reft_args.intervention)
+    reft_config = pyreft.ReftConfig(representations=[
+        {"layer": layer, "component": reft_args.component, "low_rank_dimension": reft_args.rank,
+         "intervention": intervention(embed_dim=model.config.hidden_size, low_rank_dimension=reft_args.rank,
+                                      dtype=getattr(torch, reft_args.dtype))}
+        for layer in layers * interventions_per_layer(reft_args)
+    ])
+    return pyreft.get_reft_model(model, reft_config)
+
+
+def read_examples(path):
+    with open(path) as file:
+        text = file.read()
+    examples = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in
+                                                                        text.splitlines() if line.strip()]
+    for number, example in enumerate(examples):
+        if not {"instruction", "output"} <= set(example):
+            raise ValueError(f"--data {path}: example {number} has keys {sorted(example)}, expected "
+                             "'instruction' and 'output'")
+    return examples
+
+
+def unit_locations(reft_model, reft_args, prompt_length):
+    """Where each intervention acts on a prompt of ``prompt_length`` tokens, as the training data put it."""
+    first, last = pyreft.parse_positions(reft_args.positions)
+    locations = pyreft.get_intervention_locations(
+        last_position=prompt_length, first_n=first, last_n=last, pad_mode="last",
+        num_interventions=len(reft_model.interventions), share_weights=reft_args.share_weights)
+    return {"sources->base": (None, [[positions] for positions in locations])}
+
+
+@torch.no_grad()
+def answer(reft_model, tokenizer, reft_args, prompt):
+    """The logits of ``prompt`` and its greedy continuation, with the interventions on the prompt."""
+    device = next(reft_model.model.parameters()).device
+    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    locations = unit_locations(reft_model, reft_args, inputs["input_ids"].shape[-1])
+    _, output = reft_model(inputs, unit_locations=locations)
+    _, generated = reft_model.generate(inputs, unit_locations=locations, intervene_on_prompt=True,
+                                       max_new_tokens=reft_args.max_new_tokens, do_sample=False,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return {"logits": output.logits.float().cpu(), "ids": generated[0].cpu(),
+            "text": tokenizer.decode(generated[0], skip_special_tokens=True)}
+
+
+def main(argv=None):
+    reft_args, training_args = parse_arguments(argv)
+    transformers.set_seed(training_args.seed)  # every process builds the same interventions
+    tokenizer, model = load_model(reft_args)
+    reft_model = build_reft_model(reft_args, model)
+    reft_model.print_trainable_parameters()
+
+    examples = read_examples(reft_args.data)
+    data_module = pyreft.make_multiple_position_supervised_data_module(
+        tokenizer, model, [example["instruction"] for example in examples],
+        [example["output"] for example in examples], positions=reft_args.positions,
+        num_interventions=len(reft_model.interventions), share_weights=reft_args.share_weights)
+    trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=training_args,
+                                            **data_module)
+    trainer.train()
+    trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the log, every logged loss included
+
+    # Save once, in pyreft's format (the files save_to_hf_hub uploads). Every rank takes part: under
+    # ZeRO-3 `gathered` collects the partitioned interventions (a collective), and reading LoReFT's
+    # rotation calls its parametrization, a module call ZeRO-3 expects every rank to make alike. Rank 0
+    # writes to save_dir, the others to a scratch folder they drop.
+    save_dir = reft_args.save_dir or os.path.join(training_args.output_dir, "reft")
+    with gathered(reft_model), tempfile.TemporaryDirectory() as scratch:
+        reft_model.save(save_dir if trainer.is_world_process_zero() else scratch, save_to_hf_hub=False)
+    if trainer.is_world_process_zero():
+        logger.warning(f"interventions saved to {save_dir}")
+
+    if reft_args.prompt is not None:  # every rank: under ZeRO-3 and FSDP, each forward gathers the weights
+        reft_model.eval()
+        result = answer(reft_model, tokenizer, reft_args, reft_args.prompt)
+        if trainer.is_world_process_zero():
+            torch.save(result, os.path.join(training_args.output_dir, "answer.pt"))
+            logger.warning(f"{reft_args.prompt!r} -> {result['text']!r}")
+
+    # Leave the process group HF Trainer joined before the interpreter exits: gloo's threads otherwise
+    # outlive it ("terminate called without an active exception"). The barrier first, so that no rank
+    # tears its connections down while another still uses them.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

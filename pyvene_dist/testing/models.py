@@ -188,3 +188,44 @@ def import_pyreft():
             "pip install --no-deps pyreft==0.1.0 datasets"
         ) from exc
     return pyreft
+
+
+#: Words the checkpoint's tokenizer learns whole, so every example of ``instruction_examples`` has the same
+#: number of tokens (ranks then average equal-sized losses, and DDP's mean equals one process's).
+WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "flies", "up", "down", "here")
+
+
+def save_checkpoint(folder, *, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A checkpoint folder as users bring one: a Llama (random weights from ``seed``) and a real byte-level
+    BPE tokenizer trained on ``WORDS`` with the ``tokenizers`` package, both written with
+    ``save_pretrained``; ``AutoTokenizer`` and ``AutoModelForCausalLM`` load it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    bpe.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>", model_max_length=128)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def instruction_examples(count: int, *, seed: int = 0) -> list[dict[str, str]]:
+    """``count`` {"instruction", "output"} pairs of ``WORDS``: three words in, two out, so every example
+    is 3 prompt tokens and 3 supervised ones (two words and the end of sequence)."""
+    generator = torch.Generator().manual_seed(seed)
+    words = [[WORDS[i] for i in torch.randint(len(WORDS), (5,), generator=generator)] for _ in range(count)]
+    return [{"instruction": " ".join(chosen[:3]), "output": " " + " ".join(chosen[3:])} for chosen in words]

@@ -1,6 +1,7 @@
 """Train ParityCase() with accelerate (prepare(model, optimizer, dataloader)); the main process saves the Record.
 
-    accelerate launch --config_file docs/configs/accelerate-ddp-cpu.yaml train_with_accelerate.py OUT.pt
+    accelerate launch --config_file docs/configs/accelerate-ddp.yaml tests/scripts/train_with_accelerate.py OUT.pt
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/train_with_accelerate.py OUT.pt     (CPU)
 """
 
 import dataclasses

@@ -1,0 +1,60 @@
+"""Load interventions saved by train_reft.py (pyreft's format) onto the base model, in one process, and answer.
+
+    python docs/examples/serve_reft.py --model PATH --interventions out/reft --prompt "..." [--out answer.pt]
+
+``--positions`` and ``--share_weights`` must be the ones the interventions were trained with.
+"""
+
+import argparse
+
+import torch
+
+import pyvene_dist
+
+pyvene_dist.patch()
+
+import pyreft  # noqa: E402
+import transformers  # noqa: E402
+from train_reft import answer  # noqa: E402  (this folder)
+
+
+def load(model_path, interventions, dtype="float32"):
+    """The tokenizer, and the base model with the saved interventions, on this machine's first device."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
+    reft_model = pyreft.ReftModel.load(interventions, model)
+    # pyreft 0.1.0 builds LoReFT's learned_source in bfloat16 whatever the model's dtype, and loads the
+    # saved weights into it: read them again in float32, then give learned_source the model's dtype, as
+    # train_reft.py's --dtype did (pyreft keeps LoReFT's rotation in float32 at every dtype).
+    reft_model.set_device(device)
+    for intervention in reft_model.interventions.values():
+        intervention.to(torch.float32)
+    reft_model.load_intervention(interventions, include_model=False)
+    for intervention in reft_model.interventions.values():
+        if hasattr(intervention, "learned_source"):
+            intervention.learned_source.to(model.dtype)
+    reft_model.eval()
+    return tokenizer, reft_model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="the base model's folder or hub name, with its tokenizer")
+    parser.add_argument("--interventions", required=True, help="the folder ReftModel.save wrote")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--positions", default="l1")
+    parser.add_argument("--share_weights", action="store_true")
+    parser.add_argument("--max_new_tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", help="save the logits, token ids and text here (torch.save)")
+    options = parser.parse_args()
+    tokenizer, reft_model = load(options.model, options.interventions, options.dtype)
+    result = answer(reft_model, tokenizer, options, options.prompt)
+    print(f"{options.prompt!r} -> {result['text']!r}")
+    if options.out:
+        torch.save(result, options.out)
+
+
+if __name__ == "__main__":
+    main()
