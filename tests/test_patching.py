@@ -46,12 +46,13 @@ def test_patch_order(steps):
     assert probe(*steps).strip().endswith("ok")
 
 
-def test_every_concern_wraps_its_sites():
-    out = probe("import", "capture", "patch", "check-wrapped")
-    from pyvene_dist.patches import concerns
+def test_every_site_of_every_fix_is_wrapped_then_restored():
+    out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
+    from pyvene_dist.patches import select
 
-    declared = sum(len(concern.SITES) for concern in concerns())
-    assert f"wrapped {declared}" in out
+    declared = sorted(site.path for fix in select() for site in fix.sites)
+    assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("wrapped ")) == declared
+    assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("restored ")) == declared
 
 
 def test_import_has_no_side_effects():
@@ -74,8 +75,9 @@ def test_plugin_imports_only_pytest():
 def test_version_guard_names_installed_and_supported(monkeypatch):
     import pyvene_dist
     from pyvene_dist import _versions
+    from pyvene_dist.patches import parameters
 
-    monkeypatch.setitem(_versions.SUPPORTED, "pyvene", "==9.9.9")
+    monkeypatch.setitem(parameters.FIX.checked, "pyvene", "==9.9.9")
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     with pytest.raises(_versions.UnsupportedVersionError) as error:
         pyvene_dist.patch()
@@ -90,7 +92,7 @@ def test_version_guard_override(monkeypatch, how):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.SUPPORTED, "transformers", "<1")
+    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
     kwargs = {}
     if how == "argument":
         kwargs["allow_unsupported"] = True
@@ -120,14 +122,18 @@ def test_unpatch_refuses_when_someone_replaced_a_site():
 def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
-    from pyvene_dist.patches import hooks
+    from pyvene_dist._registry import Fix
+    from pyvene_dist.patches import fixes
 
     original = vars(BaseModel)["named_parameters"]
+    last, fix_patch = fixes()[-1].name, Fix.patch
 
-    def broken(registry):
-        raise RuntimeError("boom")
+    def broken(fix, registry, options):
+        if fix.name == last:  # every other fix is applied by then
+            raise RuntimeError("boom")
+        fix_patch(fix, registry, options)
 
-    monkeypatch.setattr(hooks, "patch", broken)
+    monkeypatch.setattr(Fix, "patch", broken)
     with pytest.raises(RuntimeError, match="boom"):
         pyvene_dist.patch()
     assert vars(BaseModel)["named_parameters"] is original
