@@ -114,6 +114,9 @@ class Fix:
     checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
     on_patch: Callable[[Options], None] | str | None = None
+    #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
+    #: (hooks they registered, graphs they captured).
+    on_unpatch: Callable[[], None] | str | None = None
 
     @property
     def name(self) -> str:
@@ -132,6 +135,8 @@ class Fix:
         """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
         if self.on_patch is not None:
             self.resolve(self.on_patch)(options)
+        if self.on_unpatch is not None:
+            registry.on_restore(self.resolve(self.on_unpatch))
         by_module: dict[str, list[Site]] = {}
         for site in self.sites:
             by_module.setdefault(site.module, []).append(site)
@@ -205,6 +210,7 @@ class Registry:
         self._sites: list[Wrap] = []
         self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
         self._hooked_modules: set[str] = set()
+        self._on_restore: list[Callable[[], None]] = []
         self.active = False
 
     @property
@@ -273,6 +279,10 @@ class Registry:
                     f"({type(error).__name__}: {error}); {undone}"
                 ) from error
 
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Call ``undo()`` when ``restore_all`` has put every original back."""
+        self._on_restore.append(undo)
+
     def restore_all(self) -> None:
         """Put back every original, newest first. Refuses (changing nothing) if a site was replaced."""
         replaced = [site.name for site in self._sites if vars(site.owner).get(site.attribute) is not site.proxy]
@@ -289,6 +299,9 @@ class Registry:
         self._sites.clear()
         self._deferred.clear()
         self.active = False
+        undo, self._on_restore = self._on_restore, []
+        for step in reversed(undo):
+            step()
 
 
 def _is_importing(module: Any) -> bool:

@@ -77,6 +77,14 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
     assert bool(asked) is cuda_graphs
 
 
+def test_unpatch_releases_captured_rotations(monkeypatch):
+    monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
+    orthogonal, _ = _parts(_rotation())
+    with pyvene_dist.patched():
+        graphed._graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
+    assert orthogonal not in graphed._graphs
+
+
 def test_a_bad_cuda_graphs_argument_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"cuda_graphs='0': expected True, False or None"):
         pyvene_dist.patch(cuda_graphs="0")

@@ -42,8 +42,16 @@ FIX = Fix(
              "_wrap_fsdp1_init"),
     ),
     checked={"torch": ">=2.4"},
+    on_unpatch="_stop_averaging",
 )
 _reduced: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
+
+
+def _stop_averaging() -> None:
+    """Remove the gradient hooks ``fully_shard``/FSDP1 wraps registered on interventions while patched."""
+    for handle in list(_reduced.values()):
+        handle.remove()
+    _reduced.clear()
 
 
 def intervention_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:

@@ -53,6 +53,7 @@ FIX = Fix(
     sites=(Site("torch.nn.utils.parametrizations:_Orthogonal.forward", "_wrap_orthogonal_forward"),),
     checked={"torch": ">=2.4"},
     on_patch="_configure",
+    on_unpatch="_release_graphs",
 )
 
 
@@ -85,6 +86,12 @@ def _wrap_orthogonal_forward(wrapped, instance, args, kwargs):
 
 _graphs: "weakref.WeakKeyDictionary[torch.nn.Module, _Graphs]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+def _release_graphs() -> None:
+    """Free every captured rotation (its graphs and their memory pool): unpatched, rotations run eagerly."""
+    with _lock:
+        _graphs.clear()
 
 
 def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
