@@ -3,7 +3,7 @@
 
 Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is
 built on, the upstream packages whose ``FIXES`` retire it, and the releases it was checked on.
-``Fix.patch(registry)`` applies it; nothing else in the module runs at ``patch()``.
+``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
 
 A wrap is recorded as (owner, attribute, original, proxy): ``owner`` is the module or class whose
 ``__dict__`` defines the attribute, ``original`` is what that ``__dict__`` held (the raw function,
