@@ -9,28 +9,44 @@ Importing this package changes nothing: only ``patch()`` does, and ``unpatch()``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 __version__ = "0.1.0"
 __all__ = ["patch", "unpatch", "patched", "is_patched", "__version__"]
 
 
-def patch(*, allow_unsupported: bool | None = None) -> None:
-    """Apply every fix. A second call changes nothing.
+def patch(
+    *,
+    only: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    cuda_graphs: bool | None = None,
+    allow_unsupported: bool | None = None,
+) -> None:
+    """Apply the fixes (``pyvene_dist.patches``). A second call changes nothing until ``unpatch()``.
 
-    Raises ``UnsupportedVersionError`` when pyvene, pyreft or transformers is outside the releases the
-    fixes were written for, unless ``allow_unsupported=True`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
+    ``only``: these fixes and those they require; ``exclude``: every fix but these (an error if a fix
+    applied requires one). ``cuda_graphs=False`` keeps LoReFT's rotation eager on CUDA (default: the
+    ``PYVENE_DIST_CUDA_GRAPHS`` environment variable, else on). Fixes that pyvene's and pyreft's
+    ``FIXES`` report carrying are left out.
+
+    Raises ``UnsupportedVersionError`` when pyvene, pyreft, transformers or torch is outside the
+    releases the applied fixes were checked on, unless ``allow_unsupported=True`` or
+    ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
     """
     from . import _versions
-    from ._registry import REGISTRY
-    from .patches import concerns
+    from ._registry import REGISTRY, Options
+    from .patches import select
 
     if REGISTRY.active:
         return
-    _versions.check(allow_unsupported)
+    if cuda_graphs not in (None, True, False):
+        raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None")
+    fixes = select(only, exclude)
+    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=cuda_graphs)
+    _versions.check(fixes, options.allow_unsupported)
     try:
-        for concern in concerns():
-            concern.patch(REGISTRY)
+        for fix in fixes:
+            fix.patch(REGISTRY, options)
     except BaseException:
         REGISTRY.restore_all()
         raise
@@ -51,10 +67,10 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(*, allow_unsupported: bool | None = None) -> Iterator[None]:
-    """``with pyvene_dist.patched(): ...`` -- patched inside, as it was before outside."""
+def patched(**options) -> Iterator[None]:
+    """``with pyvene_dist.patched(): ...`` -- patched inside (``patch(**options)``), as it was before outside."""
     already = is_patched()
-    patch(allow_unsupported=allow_unsupported)
+    patch(**options)
     try:
         yield
     finally:

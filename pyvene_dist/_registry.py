@@ -1,4 +1,9 @@
-"""The record of every wrap pyvene_dist installs, so that ``unpatch()`` puts back the very objects it found.
+"""What a fix is (``Fix``, ``Site``), and the record of every wrap pyvene_dist installs, so that
+``unpatch()`` puts back the very objects it found.
+
+Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is
+built on, the upstream packages whose ``FIXES`` retire it, and the releases it was checked on.
+``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
 
 A wrap is recorded as (owner, attribute, original, proxy): ``owner`` is the module or class whose
 ``__dict__`` defines the attribute, ``original`` is what that ``__dict__`` held (the raw function,
@@ -18,12 +23,167 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import importlib
+import inspect
 import sys
-from typing import Any, Callable
+import textwrap
+import warnings
+from typing import Any, Callable, Mapping
 
 import wrapt
 
+from ._versions import ALLOW_ENV, UnsupportedVersionError
+
 _MISSING = object()
+#: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and
+#: ``transformers.trainer`` is slow to import.
+IMPORTED_LATER = ("pyreft", "transformers.trainer")
+KINDS = ("wrap", "replace", "add")
+
+
+class FixError(RuntimeError):
+    """A fix could not be applied; its message names the fix and the cause."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What ``patch()`` was asked for, handed to each fix's ``on_patch``."""
+
+    allow_unsupported: bool = False
+    cuda_graphs: bool | None = None  # None: from PYVENE_DIST_CUDA_GRAPHS
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One symbol a fix changes: ``"module:Qualified.attr"``.
+
+    ``kind`` says how: ``wrap`` puts a ``wrapt.FunctionWrapper`` calling ``wrapper`` around the original
+    (which the wrapper calls); ``replace`` does the same with a wrapper that never calls the original,
+    so the original's source must be the one the replacement was written from (``fingerprint``, checked
+    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value).
+    ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
+    """
+
+    path: str
+    wrapper: Any
+    kind: str = "wrap"
+    fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Site {self.path!r}: kind={self.kind!r}, expected one of {KINDS}")
+        if (self.kind == "replace") != (self.fingerprint is not None):
+            raise ValueError(f"Site {self.path!r}: a fingerprint goes with kind='replace' and only with it")
+        if self.path.count(":") != 1:
+            raise ValueError(f"Site {self.path!r}: expected 'module:Qualified.attr'")
+
+    @property
+    def module(self) -> str:
+        return self.path.split(":")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.path.rsplit(".", 1)[-1].split(":")[-1]
+
+    def owner(self, module: Any) -> Any:
+        """The module or class whose ``__dict__`` holds the attribute."""
+        qualified = self.path.split(":")[1]
+        return functools.reduce(getattr, qualified.split(".")[:-1], module)
+
+    @property
+    def imported_later(self) -> bool:
+        return any(self.module == name or self.module.startswith(name + ".") for name in IMPORTED_LATER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One failure mode's fix: everything ``patch()``, the docs and the tests need to know about it.
+
+    Declared once per fix module as ``FIX = Fix(__name__, sites=(...), ...)``; its name is the module's.
+    """
+
+    module: str
+    sites: tuple[Site, ...]
+    #: Fixes whose runtime code or behaviour this one is built on: applied with it, before it.
+    requires: tuple[str, ...] = ()
+    #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
+    #: empty for a runtime-only fix (docs/upstreaming.md says why each is).
+    upstream: tuple[str, ...] = ()
+    #: distribution -> the releases this fix was checked on (a specifier); only applied fixes count.
+    checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
+    on_patch: Callable[[Options], None] | str | None = None
+    #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
+    #: (hooks they registered, graphs they captured).
+    on_unpatch: Callable[[], None] | str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.module.rsplit(".", 1)[-1]
+
+    def resolve(self, value: Any) -> Any:
+        """``value``, or the object of the fix's module it names."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return getattr(importlib.import_module(self.module), value)
+        except AttributeError:
+            raise AttributeError(f"the fix {self.name!r} names {value!r}, which {self.module} lacks") from None
+
+    def patch(self, registry: "Registry", options: Options = Options()) -> None:
+        """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
+        if self.on_patch is not None:
+            self.resolve(self.on_patch)(options)
+        if self.on_unpatch is not None:
+            registry.on_restore(self.resolve(self.on_unpatch))
+        by_module: dict[str, list[Site]] = {}
+        for site in self.sites:
+            by_module.setdefault(site.module, []).append(site)
+        for module_name, sites in by_module.items():
+            apply = functools.partial(_apply_sites, self, tuple(sites), registry, options)
+            if sites[0].imported_later:
+                registry.when_imported(module_name, apply, fix=self.name)
+            else:
+                apply(importlib.import_module(module_name))
+
+
+def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", options: Options, module: Any) -> None:
+    for site in sites:
+        owner = site.owner(module)
+        if site.kind == "add":
+            registry.add(owner, site.attribute, fix.resolve(site.wrapper))
+            continue
+        if site.kind == "replace" and registry.find(owner, site.attribute) is None:
+            _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
+        registry.wrap(owner, site.attribute, fix.resolve(site.wrapper))
+
+
+def fingerprint(original: Any) -> str:
+    """The first 16 hex digits of the SHA-256 of ``original``'s source (dedented)."""
+    function = getattr(original, "__func__", original)
+    source = textwrap.dedent(inspect.getsource(function))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _check_fingerprint(fix: Fix, site: Site, original: Any, options: Options) -> None:
+    try:
+        found = fingerprint(original)
+    except (TypeError, OSError):  # no source to read: no fingerprint either
+        found = "none"
+    if found == site.fingerprint:
+        return
+    message = (
+        f"pyvene_dist's fix {fix.name!r} replaces {site.path}, written from the source with fingerprint "
+        f"{site.fingerprint}; the installed one has {found}, so the replacement may drop what changed"
+    )
+    if options.allow_unsupported:
+        warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=4)
+        return
+    raise UnsupportedVersionError(
+        f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set "
+        f"{ALLOW_ENV}=1."
+    )
 
 
 def describe(owner: Any) -> str:
@@ -34,7 +194,7 @@ def describe(owner: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Site:
+class Wrap:
     owner: Any
     attribute: str
     original: Any  # _MISSING for an attribute pyvene_dist added
@@ -47,16 +207,17 @@ class Site:
 
 class Registry:
     def __init__(self) -> None:
-        self._sites: list[Site] = []
-        self._deferred: dict[str, list[Callable[[Any], None]]] = {}
+        self._sites: list[Wrap] = []
+        self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
         self._hooked_modules: set[str] = set()
+        self._on_restore: list[Callable[[], None]] = []
         self.active = False
 
     @property
-    def sites(self) -> tuple[Site, ...]:
+    def sites(self) -> tuple[Wrap, ...]:
         return tuple(self._sites)
 
-    def find(self, owner: Any, attribute: str) -> Site | None:
+    def find(self, owner: Any, attribute: str) -> Wrap | None:
         for site in self._sites:
             if site.owner is owner and site.attribute == attribute:
                 return site
@@ -74,7 +235,7 @@ class Registry:
             )
         proxy = wrapt.FunctionWrapper(original, wrapper)
         setattr(owner, attribute, proxy)
-        self._sites.append(Site(owner, attribute, original, proxy))
+        self._sites.append(Wrap(owner, attribute, original, proxy))
 
     def add(self, owner: Any, attribute: str, value: Any) -> None:
         """Give ``owner`` an attribute it does not define (``unpatch()`` deletes it again)."""
@@ -86,22 +247,41 @@ class Registry:
                 "The installed version differs from the one this patch was written for."
             )
         setattr(owner, attribute, value)
-        self._sites.append(Site(owner, attribute, _MISSING, value))
+        self._sites.append(Wrap(owner, attribute, _MISSING, value))
 
-    def when_imported(self, module_name: str, apply: Callable[[Any], None]) -> None:
-        """Run ``apply(module)`` now if ``module_name`` is imported, else right after its import."""
+    def when_imported(self, module_name: str, apply: Callable[[Any], None], fix: str = "") -> None:
+        """Run ``apply(module)`` now if ``module_name`` is imported, else right after its import.
+
+        An ``apply`` that fails on import undoes every fix (pyvene_dist is then unpatched, as after
+        ``unpatch()``) and raises ``FixError`` naming ``fix`` and the cause from the user's import.
+        """
         module = sys.modules.get(module_name)
         if module is not None and not _is_importing(module):
             apply(module)
             return
-        self._deferred.setdefault(module_name, []).append(apply)
+        self._deferred.setdefault(module_name, []).append((fix, apply))
         if module_name not in self._hooked_modules:
             wrapt.register_post_import_hook(functools.partial(self._on_import, module_name), module_name)
             self._hooked_modules.add(module_name)
 
     def _on_import(self, module_name: str, module: Any) -> None:
-        for apply in self._deferred.pop(module_name, []):
-            apply(module)
+        for fix, apply in self._deferred.pop(module_name, []):
+            try:
+                apply(module)
+            except Exception as error:
+                try:
+                    self.restore_all()
+                    undone = "every fix was undone (pyvene_dist is unpatched)"
+                except RuntimeError as refused:
+                    undone = f"undoing the fixes failed too: {refused}"
+                raise FixError(
+                    f"pyvene_dist's fix {fix!r} failed when {module_name} was imported "
+                    f"({type(error).__name__}: {error}); {undone}"
+                ) from error
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Call ``undo()`` when ``restore_all`` has put every original back."""
+        self._on_restore.append(undo)
 
     def restore_all(self) -> None:
         """Put back every original, newest first. Refuses (changing nothing) if a site was replaced."""
@@ -119,6 +299,9 @@ class Registry:
         self._sites.clear()
         self._deferred.clear()
         self.active = False
+        undo, self._on_restore = self._on_restore, []
+        for step in reversed(undo):
+            step()
 
 
 def _is_importing(module: Any) -> bool:

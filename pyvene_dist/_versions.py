@@ -1,8 +1,10 @@
-"""Which releases pyvene_dist's patches were written and tested against.
+"""Which releases pyvene_dist's fixes were written and tested against.
 
-The patches reach into pyvene's and pyreft's internals; against another release they could wrap the
-wrong thing and give a silently wrong result. ``patch()`` therefore refuses an unsupported release
-unless told otherwise, with ``patch(allow_unsupported=True)`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
+The fixes reach into pyvene's and pyreft's internals; against another release they could wrap the
+wrong thing and give a silently wrong result. Each fix's record says which releases it was checked on
+(``Fix.checked``); ``patch()`` compares the installed releases with those of the fixes it applies (a fix
+upstream carries is not applied, so its range does not count), and refuses a mismatch unless told
+otherwise, with ``patch(allow_unsupported=True)`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
 """
 
 from __future__ import annotations
@@ -10,19 +12,16 @@ from __future__ import annotations
 import os
 import warnings
 from importlib import metadata
+from typing import Iterable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-#: Distribution name -> the releases the patches are tested against. pyreft is optional. torch: 2.11 on the
-#: H200s, 2.13 on CPU (and ``patches.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
+#: Distribution -> releases pyvene_dist as a whole needs, whichever fixes it applies: the ones tested. torch:
+#: 2.11 on the H200s, 2.13 on CPU (and ``patches.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
 #: transformers: 5.17 on the H200s, 5.24 on CPU (4.x's checkpointing is simulated in tests, never run).
-SUPPORTED: dict[str, str] = {
-    "pyvene": "==0.1.8",
-    "pyreft": "==0.1.0",
-    "transformers": ">=5.17,<5.25",
-    "torch": ">=2.11,<2.14",
-}
+REQUIRED: dict[str, str] = {"transformers": ">=5.17,<5.25", "torch": ">=2.11,<2.14"}
+#: Distributions that may be missing (their fixes then have nothing to fix).
 OPTIONAL = frozenset({"pyreft"})
 ALLOW_ENV = "PYVENE_DIST_ALLOW_UNSUPPORTED"
 
@@ -38,25 +37,44 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def mismatches() -> list[str]:
-    """One line per installed (or missing required) distribution outside ``SUPPORTED``."""
+def supported(fixes: Iterable = ()) -> dict[tuple[str, str], list[str]]:
+    """(distribution, specifier) -> who declares it: ``REQUIRED`` and each fix's ``checked``."""
+    declared: dict[tuple[str, str], list[str]] = {key: [] for key in REQUIRED.items()}
+    for fix in fixes:
+        for key in fix.checked.items():
+            declared.setdefault(key, []).append(fix.name)
+    return declared
+
+
+def mismatches(fixes: Iterable | None = None) -> list[str]:
+    """One line per installed (or missing required) distribution outside what ``fixes`` (default: those
+    ``patch()`` would apply) and ``REQUIRED`` declare."""
+    if fixes is None:
+        from .patches import select
+
+        fixes = select()
     problems = []
-    for distribution, specifier in SUPPORTED.items():
+    for (distribution, specifier), names in supported(fixes).items():
+        who = f" (checked for the fixes {', '.join(names)})" if names else ""
         version = installed_version(distribution)
         if version is None:
             if distribution not in OPTIONAL:
-                problems.append(f"{distribution} is not installed; pyvene_dist needs {distribution}{specifier}")
+                problems.append(f"{distribution} is not installed; pyvene_dist needs {distribution}{specifier}{who}")
         elif not SpecifierSet(specifier).contains(Version(version), prereleases=True):
-            problems.append(f"{distribution} {version} is installed; pyvene_dist supports {distribution}{specifier}")
+            problems.append(f"{distribution} {version} is installed; pyvene_dist supports {distribution}{specifier}{who}")
     return problems
 
 
-def check(allow_unsupported: bool | None = None) -> None:
-    problems = mismatches()
+def allowed(allow_unsupported: bool | None) -> bool:
+    if allow_unsupported is None:
+        return os.environ.get(ALLOW_ENV, "") not in ("", "0")
+    return allow_unsupported
+
+
+def check(fixes: Iterable, allow_unsupported: bool) -> None:
+    problems = mismatches(list(fixes))
     if not problems:
         return
-    if allow_unsupported is None:
-        allow_unsupported = os.environ.get(ALLOW_ENV, "") not in ("", "0")
     message = "; ".join(problems)
     if allow_unsupported:
         warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=3)

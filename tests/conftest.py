@@ -17,11 +17,9 @@ settings.load_profile("pyvene_dist" if os.environ.get("CI") else "pyvene_dist-de
 def patched(monkeypatch):
     """pyvene_dist patched for the test (see helpers.patch), and exactly as before afterwards."""
     import pyvene_dist
-    from pyvene_dist import patches
 
     from helpers import patch
 
-    monkeypatch.setattr(patches, "CONCERNS", patches.CONCERNS)  # helpers.patch may narrow it
     patch()
     yield
     pyvene_dist.unpatch()

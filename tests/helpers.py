@@ -10,7 +10,8 @@ UPSTREAM_ENV = "PYVENE_DIST_TEST_UPSTREAM"
 
 
 def patch():
-    """``pyvene_dist.patch()``, minus the concerns named in PYVENE_DIST_TEST_WITHOUT (or all of them).
+    """``pyvene_dist.patch()``, minus the fixes named in PYVENE_DIST_TEST_WITHOUT (or all of them), and
+    those built on them.
 
     PYVENE_DIST_TEST_WITHOUT=weight_decay,hooks pytest tests/   shows which tests fail without those fixes.
     PYVENE_DIST_TEST_UPSTREAM=<folder>: see ``patch_upstream``.
@@ -24,15 +25,15 @@ def patch():
     without = set(filter(None, os.environ.get("PYVENE_DIST_TEST_WITHOUT", "").split(",")))
     if "all" in without:
         return
-    patches.CONCERNS = tuple(c for c in patches.CONCERNS if c not in without)
-    pyvene_dist.patch()
+    known = patches.by_name()
+    pyvene_dist.patch(exclude=[name for name, fix in known.items() if patches.required_by([fix], known) & without])
 
 
 def patch_upstream(folder: Path) -> None:
     """The tests against pyvene and pyreft with the upstream diffs applied, in ``folder``.
 
-    Those copies must be what is imported, and their ``FIXES`` must name every concern with a diff
-    (``patch()`` would skip those). Only the runtime-only concerns are applied (torch's DataParallel,
+    Those copies must be what is imported, and their ``FIXES`` must name every fix with a diff
+    (``patch()`` would skip those). Only the runtime-only fixes are applied (torch's DataParallel,
     DDP and FSDP setup), and of pyvene they wrap nothing but ``BaseModel.get_device``, for DataParallel
     replicas. Concerns that are neither (performance fast paths) are left off: parity needs none.
     """
@@ -46,16 +47,15 @@ def patch_upstream(folder: Path) -> None:
     for module in (pyvene, pyreft):
         if not Path(module.__file__).resolve().is_relative_to(folder.resolve()):
             raise RuntimeError(f"{UPSTREAM_ENV}={folder}, but {module.__name__} is imported from {module.__file__}")
-    not_carried = sorted(set(patches.UPSTREAM) - patches.upstreamed())
+    not_carried = sorted({fix.name for fix in patches.fixes() if fix.upstream} - patches.upstreamed())
     if not_carried:
         raise RuntimeError(f"the copies in {folder} do not report carrying {not_carried} in their FIXES")
-    patches.CONCERNS = tuple(c for c in patches.CONCERNS if c in patches.RUNTIME_ONLY)
-    pyvene_dist.patch()
+    pyvene_dist.patch(only=[fix.name for fix in patches.fixes() if not fix.upstream])
     touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
     if touched != ["pyvene.models.intervenable_base.BaseModel.get_device", *tensor_parallel]:
-        raise RuntimeError(f"runtime-only concerns wrapped {touched} of pyvene and pyreft")
+        raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 
 #: Where scripts/fetch_libaio.sh unpacks libaio (DeepSpeed's NVMe offload builds its async_io op against it).

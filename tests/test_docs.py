@@ -448,22 +448,37 @@ def test_every_page_is_linked_from_the_index():
     assert "](docs/quickstart.md)" in (ROOT / "README.md").read_text()
 
 
-def test_the_patch_page_names_every_concern_and_what_it_wraps():
-    """docs/patches.md has a row per concern of ``patch()``, naming every symbol the concern wraps."""
-    import importlib
-
-    from pyvene_dist import patches
+def test_the_patch_page_names_every_fix_and_what_it_wraps():
+    """docs/patches.md has a row per fix of ``patch()``, naming every symbol the fix's record lists."""
+    from pyvene_dist.patches import fixes
 
     rows: dict[str, str] = {}
     for line in (ROOT / "docs" / "patches.md").read_text().splitlines():
         found = re.match(r"\| `(\w+)`( \(cont\.\))? \|", line)
         if found:
             rows[found.group(1)] = rows.get(found.group(1), "") + line
-    for concern in patches.CONCERNS:
-        assert concern in rows, f"docs/patches.md has no row for the concern {concern!r}"
-        sites = importlib.import_module(f"{patches.__name__}.{concern}").SITES
-        unnamed = [site for site in sites if site.rsplit(":", 1)[-1].split(".")[-1] not in rows[concern]]
-        assert not unnamed, f"docs/patches.md's row for {concern!r} does not name {unnamed}"
+    assert sorted(rows) == sorted(fix.name for fix in fixes()), "docs/patches.md's rows are not the fixes"
+    for fix in fixes():
+        unnamed = [site.path for site in fix.sites if site.attribute not in rows[fix.name]]
+        assert not unnamed, f"docs/patches.md's row for {fix.name!r} does not name {unnamed}"
+
+
+def test_the_upstreaming_tables_follow_the_records():
+    """docs/upstreaming.md: the runtime-only table has a row per fix without an upstream diff, and each
+    diff's "depends on" names every fix its record requires."""
+    from pyvene_dist.patches import fixes
+
+    note = (ROOT / "docs" / "upstreaming.md").read_text()
+    runtime_table = note.split("### What stays runtime-only")[1].split("\n#")[0]
+    runtime_rows = set(re.findall(r"^\| `(\w+)` \|", runtime_table, re.MULTILINE))
+    assert runtime_rows == {fix.name for fix in fixes() if not fix.upstream}
+    for fix in fixes():
+        diff_rows = [line for line in note.splitlines() if re.match(rf"\| \w+ \| `{fix.name}\.diff` \|", line)]
+        assert len(diff_rows) == len(fix.upstream), f"docs/upstreaming.md lists {len(diff_rows)} diffs of {fix.name!r}"
+        for required in fix.requires:
+            assert any(f"{required}.diff" in row.rsplit("|", 2)[-2] for row in diff_rows), (
+                f"docs/upstreaming.md: no diff of {fix.name!r} says it depends on {required}.diff")
+
 
 
 # --- figures in README.md against the rows in benchmarks/results ------------------------------------------------
@@ -508,11 +523,11 @@ def test_the_supported_versions_are_the_tested_ones():
     ran lie inside them."""
     from packaging.specifiers import SpecifierSet
 
-    from pyvene_dist._versions import SUPPORTED, installed_version
+    from pyvene_dist._versions import REQUIRED, installed_version
 
     setup = (ROOT / "setup.cfg").read_text()
     for name in ("torch", "transformers"):
-        assert f"    {name}{SUPPORTED[name]}\n" in setup, f"setup.cfg does not require {name}{SUPPORTED[name]}"
+        assert f"    {name}{REQUIRED[name]}\n" in setup, f"setup.cfg does not require {name}{REQUIRED[name]}"
     ran = {json.dumps(row["versions"], sort_keys=True) for path in RESULTS.glob("*.jsonl")
            for row in map(json.loads, path.read_text().splitlines()) if "transformers" in row.get("versions", {})}
     here = {name: installed_version(name) for name in ("torch", "transformers")}  # CI's, when CI runs this
@@ -520,5 +535,5 @@ def test_the_supported_versions_are_the_tested_ones():
     for versions in ran:
         for name in ("torch", "transformers"):
             release = versions[name].split("+")[0]
-            assert SpecifierSet(SUPPORTED[name]).contains(release), f"{name} {release} ran but is not supported"
+            assert SpecifierSet(REQUIRED[name]).contains(release), f"{name} {release} ran but is not supported"
     assert "transformers 5.17-5.24 and torch 2.11-2.13" in (ROOT / "README.md").read_text()

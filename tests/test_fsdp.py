@@ -43,6 +43,21 @@ def test_base_is_sharded_and_interventions_stay_whole():
     assert state["rotate_layer"].shape == (32, 4)
 
 
+@pytest.mark.world_size(1)
+def test_unpatch_removes_the_interventions_gradient_averaging():
+    """fully_shard, patched, hooks each trainable intervention parameter to average its gradient over the
+    ranks; unpatch() removes those hooks with the rest."""
+    import pyvene_dist
+    from pyvene_dist.fsdp import fully_shard_model
+
+    helpers.patch()
+    model = fully_shard_model(ParityCase().build())
+    trainable = [p for p in model.interventions.parameters() if p.requires_grad]
+    assert trainable and all(p._post_accumulate_grad_hooks for p in trainable)
+    pyvene_dist.unpatch()
+    assert not any(p._post_accumulate_grad_hooks for p in trainable)
+
+
 @pytest.mark.world_size(2)
 def test_fully_shard_without_pyvene_models_is_untouched():
     from torch.distributed.fsdp import fully_shard

@@ -64,6 +64,33 @@ def test_the_switch(monkeypatch, value, graphs):
         assert graphed.GRAPHS is graphs
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkeypatch, cuda_graphs):
+    """``patch(cuda_graphs=...)`` wins over the environment, and the rotation asks for graphs only when on."""
+    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "0" if cuda_graphs else "1")
+    asked = []
+    monkeypatch.setattr(graphed, "rotation", lambda orthogonal, X: asked.append(X) and None)
+    rotate = _rotation()
+    with pyvene_dist.patched(cuda_graphs=cuda_graphs):
+        assert graphed.GRAPHS is cuda_graphs
+        rotate.weight
+    assert bool(asked) is cuda_graphs
+
+
+def test_unpatch_releases_captured_rotations(monkeypatch):
+    monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
+    orthogonal, _ = _parts(_rotation())
+    with pyvene_dist.patched():
+        graphed._graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
+    assert orthogonal not in graphed._graphs
+
+
+def test_a_bad_cuda_graphs_argument_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"cuda_graphs='0': expected True, False or None"):
+        pyvene_dist.patch(cuda_graphs="0")
+    assert not pyvene_dist.is_patched()
+
+
 def test_a_bad_switch_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='yes': expected 0 .* or 1"):
@@ -246,10 +273,12 @@ def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch
 
     case = ParityCase(steps=4)
     monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(graphed, "GRAPHS", False)
+    pyvene_dist.unpatch()
+    pyvene_dist.patch(cuda_graphs=False)
     eager = train(case, Strategy("cuda:0"))
     assert not graphed._graphs
-    monkeypatch.setattr(graphed, "GRAPHS", True)
+    pyvene_dist.unpatch()
+    pyvene_dist.patch(cuda_graphs=True)
     monkeypatch.setattr(graphed, "WARM_CALLS", 1)
     replayed = train(case, Strategy("cuda:0"))
     assert graphed._graphs, "no rotation was captured"

@@ -46,12 +46,13 @@ def test_patch_order(steps):
     assert probe(*steps).strip().endswith("ok")
 
 
-def test_every_concern_wraps_its_sites():
-    out = probe("import", "capture", "patch", "check-wrapped")
-    from pyvene_dist.patches import concerns
+def test_every_site_of_every_fix_is_wrapped_then_restored():
+    out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
+    from pyvene_dist.patches import select
 
-    declared = sum(len(concern.SITES) for concern in concerns())
-    assert f"wrapped {declared}" in out
+    declared = sorted(site.path for fix in select() for site in fix.sites)
+    assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("wrapped ")) == declared
+    assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("restored ")) == declared
 
 
 def test_import_has_no_side_effects():
@@ -74,8 +75,9 @@ def test_plugin_imports_only_pytest():
 def test_version_guard_names_installed_and_supported(monkeypatch):
     import pyvene_dist
     from pyvene_dist import _versions
+    from pyvene_dist.patches import parameters
 
-    monkeypatch.setitem(_versions.SUPPORTED, "pyvene", "==9.9.9")
+    monkeypatch.setitem(parameters.FIX.checked, "pyvene", "==9.9.9")
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     with pytest.raises(_versions.UnsupportedVersionError) as error:
         pyvene_dist.patch()
@@ -90,7 +92,7 @@ def test_version_guard_override(monkeypatch, how):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.SUPPORTED, "transformers", "<1")
+    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
     kwargs = {}
     if how == "argument":
         kwargs["allow_unsupported"] = True
@@ -120,15 +122,131 @@ def test_unpatch_refuses_when_someone_replaced_a_site():
 def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
-    from pyvene_dist.patches import hooks
+    from pyvene_dist._registry import Fix
+    from pyvene_dist.patches import fixes
 
     original = vars(BaseModel)["named_parameters"]
+    last, fix_patch = fixes()[-1].name, Fix.patch
 
-    def broken(registry):
-        raise RuntimeError("boom")
+    def broken(fix, registry, options):
+        if fix.name == last:  # every other fix is applied by then
+            raise RuntimeError("boom")
+        fix_patch(fix, registry, options)
 
-    monkeypatch.setattr(hooks, "patch", broken)
+    monkeypatch.setattr(Fix, "patch", broken)
     with pytest.raises(RuntimeError, match="boom"):
         pyvene_dist.patch()
     assert vars(BaseModel)["named_parameters"] is original
     assert not pyvene_dist.is_patched()
+
+
+def _wrapped(owner, attribute):
+    import wrapt
+
+    return isinstance(vars(owner)[attribute], wrapt.FunctionWrapper)
+
+
+def test_only_pulls_in_the_fixes_it_requires():
+    import pyvene_dist
+    from pyvene.models.intervenable_base import BaseModel, IntervenableModel
+
+    with pyvene_dist.patched(only=["checkpointing"]):
+        assert _wrapped(IntervenableModel, "forward")  # checkpointing
+        assert _wrapped(IntervenableModel, "_remove_forward_hooks")  # hooks, which it requires
+        assert not _wrapped(BaseModel, "named_parameters")
+    assert not _wrapped(IntervenableModel, "forward")
+
+
+def test_exclude_leaves_a_fix_out():
+    import pyvene_dist
+    from pyvene.models.intervenable_base import BaseModel, IntervenableModel
+
+    with pyvene_dist.patched(exclude=["locations", "checkpointing"]):
+        assert not _wrapped(BaseModel, "_broadcast_unit_locations") and not _wrapped(IntervenableModel, "forward")
+        assert _wrapped(IntervenableModel, "_remove_forward_hooks") and _wrapped(BaseModel, "named_parameters")
+
+
+def test_excluding_a_fix_another_requires_names_both():
+    import pyvene_dist
+
+    with pytest.raises(ValueError, match=r"exclude=\['hooks'\] leaves out \['hooks'\], which the fix 'checkpointing'"):
+        pyvene_dist.patch(exclude=["hooks"])
+    assert not pyvene_dist.is_patched()
+
+
+@pytest.mark.parametrize("argument", ["only", "exclude"])
+def test_an_unknown_fix_is_refused_naming_it_and_the_known_ones(argument):
+    import pyvene_dist
+
+    with pytest.raises(ValueError, match=rf"{argument}: unknown fix 'tensor_paralel'; known fixes: .*hooks.*weight_decay"):
+        pyvene_dist.patch(**{argument: ["tensor_paralel"]})
+    with pytest.raises(TypeError, match=rf"{argument}='hooks': expected a collection of fix names"):
+        pyvene_dist.patch(**{argument: "hooks"})
+    assert not pyvene_dist.is_patched()
+
+
+def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_carry(monkeypatch):
+    """pyvene 0.2 (pretend) reports carrying every fix with a pyvene diff but ``parameters``: only the
+    ``parameters`` fix, checked on pyvene 0.1.8, refuses it; carrying that too, it is accepted."""
+    import pyreft
+    import pyvene
+
+    import pyvene_dist
+    from pyvene_dist import _versions
+    from pyvene_dist.patches import fixes
+
+    installed = _versions.installed_version
+    monkeypatch.setattr(_versions, "installed_version", lambda d: "0.2.0" if d == "pyvene" else installed(d))
+    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(pyreft, "FIXES", frozenset(f.name for f in fixes() if "pyreft" in f.upstream), raising=False)
+    carried = {fix.name for fix in fixes() if "pyvene" in fix.upstream}
+    monkeypatch.setattr(pyvene, "FIXES", frozenset(carried - {"parameters"}), raising=False)
+    with pytest.raises(_versions.UnsupportedVersionError, match=r"pyvene 0\.2\.0 is installed; pyvene_dist supports "
+                                                                r"pyvene==0\.1\.8 \(checked for the fixes parameters\)"):
+        pyvene_dist.patch()
+    monkeypatch.setattr(pyvene, "FIXES", frozenset(carried), raising=False)
+    with pyvene_dist.patched():
+        assert pyvene_dist.is_patched()
+
+
+def test_a_replaced_original_that_changed_is_refused_naming_the_fix(monkeypatch):
+    import pyvene_dist
+    from pyvene.models.intervenable_base import BaseModel, IntervenableModel
+    from pyvene_dist import _versions
+
+    def named_parameters(self, prefix="", recurse=True):  # what a new pyvene release might define
+        return iter(())
+
+    monkeypatch.setattr(BaseModel, "named_parameters", named_parameters)
+    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+    with pytest.raises(_versions.UnsupportedVersionError, match=r"fix 'parameters' replaces pyvene\.models\."
+                                                                r"intervenable_base:BaseModel\.named_parameters"):
+        pyvene_dist.patch()
+    assert not pyvene_dist.is_patched() and not _wrapped(IntervenableModel, "_remove_forward_hooks")
+    with pytest.warns(RuntimeWarning, match="fix 'parameters' replaces"):
+        with pyvene_dist.patched(allow_unsupported=True):
+            assert _wrapped(BaseModel, "named_parameters")
+
+
+def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
+    code = (
+        "import pyvene, wrapt, pyvene_dist\n"
+        "from pyvene.models.intervenable_base import BaseModel\n"
+        "from pyvene_dist._registry import REGISTRY, FixError\n"
+        "from pyvene_dist.patches import trainer\n"
+        "original = vars(BaseModel)['named_parameters']\n"
+        "pyvene_dist.patch()\n"
+        "del trainer._wrap_evaluate\n"
+        "try:\n"
+        "    import pyreft\n"
+        "except FixError as error:\n"
+        "    message = str(error)\n"
+        "else:\n"
+        "    raise SystemExit('import pyreft did not fail')\n"
+        "assert \"fix 'trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
+        "assert \"names '_wrap_evaluate'\" in message and 'every fix was undone' in message, message\n"
+        "assert not pyvene_dist.is_patched() and not REGISTRY.sites\n"
+        "assert vars(BaseModel)['named_parameters'] is original\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

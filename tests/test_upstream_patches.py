@@ -4,7 +4,7 @@ pyreft patched with them pass the CPU parity suite without pyvene_dist's runtime
 The suite runs in a subprocess with the patched copies first on PYTHONPATH and
 PYVENE_DIST_TEST_UPSTREAM naming them: ``helpers.patch()``, in this process and in every spawned rank,
 then checks that the copies are what is imported, that their ``FIXES`` carry every concern with a
-diff, and applies only the runtime-only concerns for torch's DDP and FSDP setup (see
+diff, and applies only the runtime-only fixes for torch's DDP and FSDP setup (see
 ``helpers.patch_upstream``). Against unpatched copies the same selection fails (docs/upstreaming.md).
 """
 
@@ -73,21 +73,21 @@ def upstream_env(copies: Path) -> dict:
     return {**os.environ, "PYTHONPATH": path, "PYVENE_DIST_TEST_UPSTREAM": str(copies)}
 
 
-def test_every_concern_has_a_diff_or_a_reason():
-    from pyvene_dist import patches
+def test_every_fix_has_a_diff_or_a_reason():
+    from pyvene_dist.patches import fixes
 
     upstream_patches = script()
-    unclassified = [c for c in patches.CONCERNS if c not in patches.UPSTREAM and c not in patches.RUNTIME_ONLY]
-    assert not unclassified, (
-        f"{unclassified}: add patches/<package>/<concern>.diff (and list it in patches.UPSTREAM), or name it in "
-        "patches.RUNTIME_ONLY with the reason in docs/upstreaming.md"
+    note = (ROOT / "docs" / "upstreaming.md").read_text()
+    unexplained = [fix.name for fix in fixes() if not fix.upstream and f"| `{fix.name}` |" not in note]
+    assert not unexplained, (
+        f"{unexplained}: add patches/<package>/<fix>.diff (and name the package in the fix's upstream=), or give "
+        "the reason it stays runtime-only in docs/upstreaming.md's table"
     )
     in_series = {}
     for package in upstream_patches.PACKAGES:
         for diff in upstream_patches.series(package):
             in_series.setdefault(diff.stem, []).append(package)
-    assert in_series == {concern: list(packages) for concern, packages in patches.UPSTREAM.items()}
-    assert not set(in_series) & set(patches.RUNTIME_ONLY)
+    assert in_series == {fix.name: list(fix.upstream) for fix in fixes() if fix.upstream}
 
 
 def test_each_diff_mirrors_its_runtime_concern_as_it_is_now():
@@ -99,7 +99,7 @@ def test_patched_copies_are_imported_and_pass_the_version_guard(copies):
     code = (
         "import pyvene, pyreft; from pyvene_dist import _versions, patches;"
         "print(pyvene.__file__); print(pyreft.__file__); print(_versions.mismatches());"
-        "print(sorted(patches.upstreamed()) == sorted(patches.UPSTREAM))"
+        "print(sorted(patches.upstreamed()) == sorted(fix.name for fix in patches.fixes() if fix.upstream))"
     )
     result = subprocess.run([sys.executable, "-c", code], env=upstream_env(copies), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -168,7 +168,7 @@ def test_series_applies_with_no_fuzz_offset_or_reject(copies, package):
                            env=upstream_env(copies), capture_output=True, text=True)
     from pyvene_dist import patches
 
-    expected = sorted(c for c, packages in patches.UPSTREAM.items() if package in packages)
+    expected = sorted(fix.name for fix in patches.fixes() if package in fix.upstream)
     assert fixes.stdout.splitlines()[-1] == str(expected), fixes.stderr
 
 

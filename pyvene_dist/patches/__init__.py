@@ -1,11 +1,13 @@
-"""One module per failure mode. Each has ``SITES`` (the symbols it wraps) and ``patch(registry)``.
+"""One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._registry.Fix``).
 
-The order is the order ``patch()`` applies them; ``unpatch()`` restores in reverse.
+Everything else derives from the records: the order ``patch()`` applies them in (each after the fixes
+it ``requires``, otherwise by name; ``unpatch()`` restores in reverse), which of them upstream already
+carries, the version check, the docs tables' checks and the patch tests.
 
 Most fixes also exist as diffs for pyvene and pyreft themselves (``patches/`` in the repository,
-``docs/upstreaming.md``). Each diff adds its concern's name to the package's ``FIXES``; ``patch()``
-leaves out a concern that every package it touches reports carrying, so the layer shrinks as
-upstream takes the fixes.
+``docs/upstreaming.md``). Each diff adds its fix's name to the package's ``FIXES``; ``patch()`` leaves
+out a fix that every package in its ``upstream`` reports carrying (unless a fix still applied
+``requires`` it), so the layer shrinks as upstream takes the fixes.
 """
 
 from __future__ import annotations
@@ -13,82 +15,109 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import pkgutil
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Iterable
 
-CONCERNS = (
-    "representations",
-    "parameters",
-    "train_mode",
-    "hooks",
-    "checkpointing",
-    "devices",
-    "locations",
-    "parametrizations",
-    "orthogonal",
-    "householder",
-    "data_parallel",
-    "device_map",
-    "consistency",
-    "fsdp",
-    "deepspeed",
-    "wrapper_attributes",
-    "trainer",
-    "checkpoints",
-    "weight_decay",
-    "tensor_parallel",
-)
+from .._registry import Fix
 
-
-#: Concerns that also exist as an upstream diff (``patches/<package>/<concern>.diff``), with the packages
-#: whose ``FIXES`` must name them before ``patch()`` stops applying pyvene_dist's own fix.
-UPSTREAM: dict[str, tuple[str, ...]] = {
-    "representations": ("pyvene",),
-    "parameters": ("pyvene",),
-    "train_mode": ("pyvene",),
-    "hooks": ("pyvene",),
-    "checkpointing": ("pyvene",),
-    "wrapper_attributes": ("pyvene",),
-    "devices": ("pyvene",),
-    "device_map": ("pyvene",),
-    "deepspeed": ("pyvene", "pyreft"),
-    "checkpoints": ("pyvene", "pyreft"),
-    "trainer": ("pyreft",),
-    "weight_decay": ("pyreft",),
-    "locations": ("pyvene",),
-    "parametrizations": ("pyvene",),
-}
-#: Concerns with no upstream diff: they change what torch's wrappers do (DataParallel's scatter,
-#: DDP's and FSDP's setup, the orthogonal parametrization in half precision, the Householder
-#: product's backward), which pyvene and pyreft cannot reach; ``tensor_parallel`` waits for transformers'
-#: TP API to settle. docs/upstreaming.md says why.
-RUNTIME_ONLY = ("data_parallel", "consistency", "fsdp", "orthogonal", "householder", "tensor_parallel")
-#: A runtime concern built on another's runtime code keeps that one applied while it is applied itself.
-BUILT_ON: dict[str, tuple[str, ...]] = {"checkpointing": ("hooks",)}
 #: Packages that may be missing; a missing one has nothing to fix.
 OPTIONAL_PACKAGES = frozenset({"pyreft"})
 
 
-def concerns() -> list[ModuleType]:
-    """The concerns ``patch()`` applies, in order: ``CONCERNS`` less those upstream already carries."""
-    carried = upstreamed()
-    return [importlib.import_module(f"{__name__}.{name}") for name in CONCERNS if name not in carried]
+def fixes() -> tuple[Fix, ...]:
+    """Every fix, in the order ``patch()`` applies them: each after those it requires, else by name."""
+    found: dict[str, Fix] = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name.startswith("_"):
+            continue
+        record = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FIX", None)
+        if not isinstance(record, Fix) or record.name != module.name:
+            raise TypeError(f"{__name__}.{module.name} declares no FIX = Fix(name={module.name!r}, ...)")
+        found[record.name] = record
+    return _ordered(found)
 
 
-def upstreamed() -> frozenset[str]:
-    """The concerns every package they touch reports in its ``FIXES`` (pyvene_dist's own is then skipped)."""
-    fixes = {package: carried_fixes(package) for package in {p for ps in UPSTREAM.values() for p in ps}}
+def _ordered(found: dict[str, Fix]) -> tuple[Fix, ...]:
+    ordered: list[Fix] = []
+    placing: set[str] = set()
 
-    def carries(package: str, concern: str) -> bool:
-        found = fixes[package]
-        return concern in found if found is not None else package in OPTIONAL_PACKAGES
+    def place(name: str, needed_by: str) -> None:
+        if name not in found:
+            raise ValueError(f"fix {needed_by!r} requires {name!r}, which is no fix; known: {sorted(found)}")
+        if any(record.name == name for record in ordered):
+            return
+        if name in placing:
+            raise ValueError(f"fixes require each other in a cycle through {name!r}")
+        placing.add(name)
+        for required in found[name].requires:
+            place(required, name)
+        ordered.append(found[name])
 
-    done = {concern for concern, packages in UPSTREAM.items() if all(carries(p, concern) for p in packages)}
-    for concern, bases in BUILT_ON.items():
-        if concern not in done:
-            done -= set(bases)
-    return frozenset(done)
+    for name in sorted(found):
+        place(name, name)
+    return tuple(ordered)
+
+
+def by_name() -> dict[str, Fix]:
+    return {record.name: record for record in fixes()}
+
+
+def required_by(records: Iterable[Fix], known: dict[str, Fix]) -> set[str]:
+    """The names of ``records`` and of every fix they require, transitively."""
+    needed: set[str] = set()
+    pending = [record.name for record in records]
+    while pending:
+        name = pending.pop()
+        if name not in needed:
+            needed.add(name)
+            pending.extend(known[name].requires)
+    return needed
+
+
+def select(only: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> tuple[Fix, ...]:
+    """The fixes ``patch(only=, exclude=)`` applies, in order, less those upstream carries.
+
+    ``only`` pulls in what its fixes require; excluding a fix another selected one requires is an error.
+    """
+    known = by_name()
+    exclude = _names("exclude", exclude, known)
+    chosen = set(known) if only is None else required_by((known[n] for n in _names("only", only, known)), known)
+    chosen -= exclude
+    for name in sorted(chosen):
+        missing = sorted(set(known[name].requires) & exclude)
+        if missing:
+            raise ValueError(f"exclude={sorted(exclude)} leaves out {missing}, which the fix {name!r} requires; "
+                             f"exclude {name!r} too, or keep {missing}")
+    carried = upstreamed([known[name] for name in chosen])
+    return tuple(record for record in known.values() if record.name in chosen - carried)
+
+
+def _names(argument: str, names: Iterable[str], known: dict[str, Fix]) -> set[str]:
+    if isinstance(names, str):
+        raise TypeError(f"{argument}={names!r}: expected a collection of fix names, such as ({names!r},)")
+    names = set(names)
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}; known fixes: {', '.join(known)}")
+    return names
+
+
+def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:
+    """The fixes every package in their ``upstream`` reports in its ``FIXES`` (pyvene_dist's own is then
+    skipped), less those a fix that stays applied requires."""
+    records = list(fixes() if records is None else records)
+    found = {package: carried_fixes(package) for package in {p for record in records for p in record.upstream}}
+
+    def carries(package: str, name: str) -> bool:
+        carried = found[package]
+        return name in carried if carried is not None else package in OPTIONAL_PACKAGES
+
+    done = {r.name for r in records if r.upstream and all(carries(package, r.name) for package in r.upstream)}
+    known = {record.name: record for record in records}
+    kept = [record for record in records if record.name not in done]
+    return frozenset(done - required_by(kept, {**by_name(), **known}))
 
 
 def carried_fixes(package: str) -> frozenset[str] | None:

@@ -53,20 +53,22 @@ import torch
 
 from . import hooks
 
-SITES = (
-    "pyvene.models.intervenable_base:IntervenableModel.forward",
-    "pyvene.models.intervenable_base:IntervenableModel._output_validation",
+from .._registry import Fix, Site
+
+_BASE = "pyvene.models.intervenable_base"
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_BASE}:IntervenableModel.forward", "_wrap_forward"),
+        Site(f"{_BASE}:IntervenableModel._output_validation", "_wrap_output_validation"),
+    ),
+    requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
 #: The forward whose interventions apply now in this thread: the one running, or the one whose
 #: checkpointed layer backward is recomputing. None outside both, where every kept hook is inert.
 _applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import IntervenableModel
-
-    registry.wrap(IntervenableModel, "forward", _wrap_forward)
-    registry.wrap(IntervenableModel, "_output_validation", _wrap_output_validation)
 
 
 class Forward:

@@ -30,50 +30,38 @@ Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 from torch import nn
 
+from .._registry import Fix, Site
+
 PYVENE = "pyvene.models.intervenable_base"
 PYREFT = "pyreft"
 TRANSFORMERS = "transformers.trainer"
-SITES = (
-    f"{PYVENE}:IntervenableModel.save_intervention",
-    f"{PYVENE}:IntervenableModel.load_intervention",
-    "pyreft.interventions:LoreftIntervention.state_dict",
-    "pyreft.interventions:LoreftIntervention.load_state_dict",
-    "pyreft.reft_trainer:ReftTrainer.save_model",
-    "pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model",
-    f"{TRANSFORMERS}:Trainer._load_from_checkpoint",
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYVENE}:IntervenableModel.save_intervention", "_wrap_save_intervention", kind="replace",
+             fingerprint="19611e1304ec39d4"),
+        Site(f"{PYVENE}:IntervenableModel.load_intervention", "_wrap_load_intervention", kind="replace",
+             fingerprint="f8a2b60e835d33e2"),
+        Site("pyreft.interventions:LoreftIntervention.state_dict", "_wrap_loreft_state_dict"),
+        Site("pyreft.interventions:LoreftIntervention.load_state_dict", "_wrap_loreft_load_state_dict",
+             kind="replace", fingerprint="797643a93e01499d"),
+        Site("pyreft.reft_trainer:ReftTrainer.save_model", "_wrap_save_model",
+             kind="replace", fingerprint="d474bae7d6bf39cc"),
+        Site("pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model", "_wrap_save_model_on_every_rank",
+             kind="replace", fingerprint="0b6d3f310fbfca11"),
+        Site(f"{TRANSFORMERS}:Trainer._load_from_checkpoint", "_wrap_load_from_checkpoint"),
+    ),
+    upstream=("pyvene", "pyreft"),
+    checked={"pyvene": "==0.1.8", "pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
 )
 #: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
 STATES_FILE = "intervention_states.bin"
 INTERVENTIONS_DIR = "intervenable_model"
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import IntervenableModel
-
-    registry.wrap(IntervenableModel, "save_intervention", _wrap_save_intervention)
-    registry.wrap(IntervenableModel, "load_intervention", _wrap_load_intervention)
-    registry.when_imported(PYREFT, functools.partial(_patch_pyreft, registry))
-    registry.when_imported(TRANSFORMERS, functools.partial(_patch_transformers, registry))
-
-
-def _patch_pyreft(registry, module) -> None:
-    from pyreft.interventions import LoreftIntervention
-    from pyreft.reft_trainer import ReftTrainer, ReftTrainerForCausalLMDistributed
-
-    registry.wrap(LoreftIntervention, "state_dict", _wrap_loreft_state_dict)
-    registry.wrap(LoreftIntervention, "load_state_dict", _wrap_loreft_load_state_dict)
-    registry.wrap(ReftTrainer, "save_model", _wrap_save_model)
-    registry.wrap(ReftTrainerForCausalLMDistributed, "save_model", _wrap_save_model_on_every_rank)
-
-
-def _patch_transformers(registry, module) -> None:
-    registry.wrap(module.Trainer, "_load_from_checkpoint", _wrap_load_from_checkpoint)
 
 
 # -- LoReFT's state ------------------------------------------------------------------------------

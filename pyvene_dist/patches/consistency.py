@@ -14,15 +14,14 @@ Checked with torch 2.11 (nccl) and 2.13 (gloo).
 
 from __future__ import annotations
 
+from .._registry import Fix, Site
 from ._models import intervenable_models
 
-SITES = ("torch.nn.parallel.distributed:DistributedDataParallel.__init__",)
-
-
-def patch(registry) -> None:
-    from torch.nn.parallel.distributed import DistributedDataParallel
-
-    registry.wrap(DistributedDataParallel, "__init__", _wrap_ddp_init)
+FIX = Fix(
+    __name__,
+    sites=(Site("torch.nn.parallel.distributed:DistributedDataParallel.__init__", "_wrap_ddp_init"),),
+    checked={"torch": ">=2.11,<2.14"},
+)
 
 
 def _wrap_ddp_init(wrapped, instance, args, kwargs):

@@ -32,12 +32,17 @@ import inspect
 
 import torch
 
+from .._registry import Fix, Site
 from ..scatter import batch_size_of, chunk_sizes, split_forward_arguments
 
-SITES = (
-    "torch.nn.parallel.data_parallel:DataParallel.scatter",
-    "torch.nn.parallel.data_parallel:DataParallel.replicate",
-    "pyvene.models.intervenable_base:BaseModel.get_device",
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("torch.nn.parallel.data_parallel:DataParallel.scatter", "_wrap_scatter"),
+        Site("torch.nn.parallel.data_parallel:DataParallel.replicate", "_wrap_replicate"),
+        Site("pyvene.models.intervenable_base:BaseModel.get_device", "_wrap_get_device"),
+    ),
+    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},
 )
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -48,15 +53,6 @@ _HOOK_DICTS = (
 )
 _REPLICA_DEVICE = "_pyvene_dist_replica_device"
 _warmed_devices: set[torch.device] = set()
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import BaseModel
-    from torch.nn.parallel.data_parallel import DataParallel
-
-    registry.wrap(DataParallel, "scatter", _wrap_scatter)
-    registry.wrap(DataParallel, "replicate", _wrap_replicate)
-    registry.wrap(BaseModel, "get_device", _wrap_get_device)
 
 
 def _wrap_scatter(wrapped, instance, args, kwargs):

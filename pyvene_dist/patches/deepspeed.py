@@ -17,29 +17,24 @@ Checked with deepspeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 
 from __future__ import annotations
 
-import functools
+from .._registry import Fix, Site
 
-SITES = (
-    "pyvene.models.basic_utils:count_parameters",
-    "pyvene.models.intervenable_base:count_parameters",
-    "pyvene.models.intervenable_base:BaseModel.count_parameters",
-    "pyreft.reft_model:count_parameters",
-    "pyreft.reft_model:ReftModel.print_trainable_parameters",
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.basic_utils:count_parameters", "_wrap_count_parameters",
+             kind="replace", fingerprint="549d19d8c59a6798"),
+        Site("pyvene.models.intervenable_base:count_parameters", "_wrap_count_parameters",
+             kind="replace", fingerprint="549d19d8c59a6798"),
+        Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
+        Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",
+             kind="replace", fingerprint="549d19d8c59a6798"),
+        Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
+             kind="replace", fingerprint="314db834fd8f252a"),
+    ),
+    upstream=("pyvene", "pyreft"),
+    checked={"pyvene": "==0.1.8", "pyreft": "==0.1.0"},
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models import basic_utils, intervenable_base
-
-    registry.wrap(basic_utils, "count_parameters", _wrap_count_parameters)
-    registry.wrap(intervenable_base, "count_parameters", _wrap_count_parameters)
-    registry.wrap(intervenable_base.BaseModel, "count_parameters", _wrap_model_count_parameters)
-    registry.when_imported("pyreft.reft_model", functools.partial(_patch_pyreft, registry))
-
-
-def _patch_pyreft(registry, module) -> None:
-    registry.wrap(module, "count_parameters", _wrap_count_parameters)
-    registry.wrap(module.ReftModel, "print_trainable_parameters", _wrap_print_trainable_parameters)
 
 
 def numel(parameter) -> int:

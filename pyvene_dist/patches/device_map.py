@@ -28,19 +28,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SITES = (
-    "pyvene.models.intervenable_base:BaseModel.set_device",
-    "pyvene.models.intervenable_base:BaseModel.to",
-    "pyvene.models.intervenable_base:IntervenableModel._reconcile_stateful_cached_activations",
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.intervenable_base:BaseModel.set_device", "_wrap_set_device"),
+        Site("pyvene.models.intervenable_base:BaseModel.to", "_to", kind="add"),
+        Site("pyvene.models.intervenable_base:IntervenableModel._reconcile_stateful_cached_activations",
+             "_wrap_reconcile"),
+    ),
+    requires=("wrapper_attributes",),  # HF Trainer sees a split model through the wrapper's hf_device_map
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import BaseModel, IntervenableModel
-
-    registry.wrap(BaseModel, "set_device", _wrap_set_device)
-    registry.add(BaseModel, "to", _to)
-    registry.wrap(IntervenableModel, "_reconcile_stateful_cached_activations", _wrap_reconcile)
 
 
 def dispatched(model: nn.Module) -> bool:

@@ -28,22 +28,29 @@ import inspect
 
 import torch
 
-SITES = (
-    "pyvene.models.modeling_utils:gather_neurons",
-    "pyvene.models.modeling_utils:scatter_neurons",
-    "pyvene.models.intervenable_base:gather_neurons",
-    "pyvene.models.intervenable_base:scatter_neurons",
+from .._registry import Fix, Site
+
+_UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14"),
+        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd"),
+        Site(f"{_BASE}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14"),
+        Site(f"{_BASE}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd"),
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
+    on_patch="_check_signatures",
 )
 
 
-def patch(registry) -> None:
+def _check_signatures(options) -> None:
     from pyvene.models import intervenable_base, modeling_utils
 
     for module in (modeling_utils, intervenable_base):
         for name, arguments in (("gather_neurons", _gather_arguments), ("scatter_neurons", _scatter_arguments)):
             _check_signature(getattr(module, name), arguments)
-        registry.wrap(module, "gather_neurons", _wrap_gather_neurons)
-        registry.wrap(module, "scatter_neurons", _wrap_scatter_neurons)
 
 
 def as_index(locations, device: torch.device) -> torch.Tensor:

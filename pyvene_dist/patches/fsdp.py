@@ -28,27 +28,30 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .._registry import Fix, Site
 from ._models import intervenable_models
 from .consistency import check_same_interventions
 
-SITES = (
-    "torch.distributed.fsdp:fully_shard",
-    "torch.distributed.fsdp._fully_shard:fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard",
-    "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("torch.distributed.fsdp:fully_shard", "_wrap_fully_shard"),  # each place it is looked up
+        Site("torch.distributed.fsdp._fully_shard:fully_shard", "_wrap_fully_shard"),
+        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard"),
+        Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
+             "_wrap_fsdp1_init"),
+    ),
+    checked={"torch": ">=2.11,<2.14"},
+    on_unpatch="_stop_averaging",
 )
 _reduced: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
 
 
-def patch(registry) -> None:
-    import torch.distributed.fsdp as fsdp
-    import torch.distributed.fsdp._fully_shard as fully_shard_package
-    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
-    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    for module in (fsdp, fully_shard_package, fully_shard_module):
-        registry.wrap(module, "fully_shard", _wrap_fully_shard)
-    registry.wrap(FullyShardedDataParallel, "__init__", _wrap_fsdp1_init)
+def _stop_averaging() -> None:
+    """Remove the gradient hooks ``fully_shard``/FSDP1 wraps registered on interventions while patched."""
+    for handle in list(_reduced.values()):
+        handle.remove()
+    _reduced.clear()
 
 
 def intervention_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:

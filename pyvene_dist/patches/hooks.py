@@ -24,10 +24,19 @@ import dataclasses
 import weakref
 from typing import Callable, Iterator
 
-SITES = (
-    "pyvene.models.intervenable_base:IntervenableModel._intervention_getter",
-    "pyvene.models.intervenable_base:IntervenableModel._intervention_setter",
-    "pyvene.models.intervenable_base:IntervenableModel._remove_forward_hooks",
+from .._registry import Fix, Site
+
+_BASE = "pyvene.models.intervenable_base"
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_BASE}:IntervenableModel._intervention_getter", "_wrap_hook_factory"),
+        Site(f"{_BASE}:IntervenableModel._intervention_setter", "_wrap_setter_factory"),
+        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", "_wrap_remove_forward_hooks", kind="replace",
+             fingerprint="f76d928fd9d68878"),
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
 
 _handles: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
@@ -48,14 +57,6 @@ class Kept:
             handle.remove()
         self.handles.clear()
         self.activations = {}
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import IntervenableModel
-
-    registry.wrap(IntervenableModel, "_intervention_getter", _wrap_hook_factory)
-    registry.wrap(IntervenableModel, "_intervention_setter", _wrap_setter_factory)
-    registry.wrap(IntervenableModel, "_remove_forward_hooks", _wrap_remove_forward_hooks)
 
 
 @contextlib.contextmanager

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import torch
 
-SITES = ("torch.linalg:householder_product",)
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(Site("torch.linalg:householder_product", "_wrap_with_closed_form_backward"),),
+    checked={"torch": ">=2.11,<2.14"},
+)
+
 
 _EXACT = (torch.float32, torch.float64)
-
-
-def patch(registry) -> None:
-    registry.wrap(torch.linalg, "householder_product", _wrap_with_closed_form_backward)
 
 
 def _wrap_with_closed_form_backward(wrapped, instance, args, kwargs):

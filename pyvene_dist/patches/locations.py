@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import torch
 
+from .._registry import Fix, Site
 from .devices import as_index
 
-SITES = ("pyvene.models.intervenable_base:BaseModel._broadcast_unit_locations",)
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import BaseModel
-
-    registry.wrap(BaseModel, "_broadcast_unit_locations", _wrap_broadcast_unit_locations)
+FIX = Fix(
+    __name__,
+    sites=(Site("pyvene.models.intervenable_base:BaseModel._broadcast_unit_locations",
+                "_wrap_broadcast_unit_locations"),),
+    requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
+)
 
 
 def _wrap_broadcast_unit_locations(wrapped, instance, args, kwargs):

@@ -46,25 +46,34 @@ import weakref
 
 import torch
 
-SITES = ("torch.nn.utils.parametrizations:_Orthogonal.forward",)
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(Site("torch.nn.utils.parametrizations:_Orthogonal.forward", "_wrap_orthogonal_forward"),),
+    checked={"torch": ">=2.11,<2.14"},
+    on_patch="_configure",
+    on_unpatch="_release_graphs",
+)
+
 
 _HALF = (torch.bfloat16, torch.float16)
 #: The call (with the same storage and settings) at which the graphs are captured: the calls before it
 #: stay eager, so that a rotation used once (an evaluation, a setup) costs no capture.
 WARM_CALLS = 3
-#: Set by ``patch()`` from ``PYVENE_DIST_CUDA_GRAPHS``.
+#: Set by ``patch()``: its ``cuda_graphs``, else ``PYVENE_DIST_CUDA_GRAPHS``.
 GRAPHS = True
 
 
-def patch(registry) -> None:
-    from torch.nn.utils.parametrizations import _Orthogonal
-
+def _configure(options) -> None:
     global GRAPHS
+    if options.cuda_graphs is not None:
+        GRAPHS = options.cuda_graphs
+        return
     switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
     if switch not in ("0", "1"):
         raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
     GRAPHS = switch == "1"
-    registry.wrap(_Orthogonal, "forward", _wrap_orthogonal_forward)
 
 
 def _wrap_orthogonal_forward(wrapped, instance, args, kwargs):
@@ -77,6 +86,12 @@ def _wrap_orthogonal_forward(wrapped, instance, args, kwargs):
 
 _graphs: "weakref.WeakKeyDictionary[torch.nn.Module, _Graphs]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+def _release_graphs() -> None:
+    """Free every captured rotation (its graphs and their memory pool): unpatched, rotations run eagerly."""
+    with _lock:
+        _graphs.clear()
 
 
 def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:

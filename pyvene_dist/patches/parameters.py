@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from torch import nn
 
-SITES = ("pyvene.models.intervenable_base:BaseModel.named_parameters",)
+from .._registry import Fix, Site
 
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import BaseModel
-
-    registry.wrap(BaseModel, "named_parameters", _wrap_named_parameters)
+FIX = Fix(
+    __name__,
+    sites=(Site("pyvene.models.intervenable_base:BaseModel.named_parameters", "_wrap_named_parameters",
+                kind="replace", fingerprint="e52cb39a23126512"),),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
+)
 
 
 def _wrap_named_parameters(wrapped, instance, args, kwargs):

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import threading
 
-SITES = (
-    "pyvene.models.modeling_utils:do_intervention",
-    "pyvene.models.intervenable_base:do_intervention",
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations"),
+        Site("pyvene.models.intervenable_base:do_intervention",
+             "_wrap_with_cached_parametrizations"),  # star-imported there
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models import intervenable_base, modeling_utils
-
-    for module in (modeling_utils, intervenable_base):  # intervenable_base star-imports it
-        registry.wrap(module, "do_intervention", _wrap_with_cached_parametrizations)
 
 
 _lock = threading.Lock()

@@ -11,17 +11,17 @@ Checked on pyvene 0.1.8.
 
 from __future__ import annotations
 
-SITES = (
-    "pyvene.models.modeling_utils:get_module_hook",
-    "pyvene.models.intervenable_base:get_module_hook",
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.modeling_utils:get_module_hook", "_wrap_get_module_hook"),
+        Site("pyvene.models.intervenable_base:get_module_hook", "_wrap_get_module_hook"),  # star-imported there
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models import intervenable_base, modeling_utils
-
-    for module in (modeling_utils, intervenable_base):
-        registry.wrap(module, "get_module_hook", _wrap_get_module_hook)
 
 
 def _wrap_get_module_hook(wrapped, instance, args, kwargs):

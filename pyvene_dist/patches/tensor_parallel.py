@@ -44,17 +44,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-SITES = (
-    "pyvene.models.intervenable_base:IntervenableModel._wait_for_forward_with_parallel_intervention",
-    "pyvene.models.intervenable_base:IntervenableModel._wait_for_forward_with_serial_intervention",
+from .._registry import Fix, Site
+
+_INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", "_wrap_wait_for_forward"),
+        Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", "_wrap_wait_for_forward"),
+    ),
+    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14", "transformers": ">=5.17,<5.25"},  # runtime-only, as data_parallel
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import IntervenableModel
-
-    for name in ("_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention"):
-        registry.wrap(IntervenableModel, name, _wrap_wait_for_forward)
 
 
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 from torch import nn
 
-SITES = (
-    "pyvene.models.intervenable_base:IntervenableModel.train",
-    "pyvene.models.intervenable_base:IntervenableModel.eval",
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.intervenable_base:IntervenableModel.train", "_wrap_train",
+             kind="replace", fingerprint="24bda36b913e4fe1"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.eval", "_wrap_eval",
+             kind="replace", fingerprint="3d3307ad116ecba0"),
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
 )
-
-
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import IntervenableModel
-
-    registry.wrap(IntervenableModel, "train", _wrap_train)
-    registry.wrap(IntervenableModel, "eval", _wrap_eval)
 
 
 def _wrap_train(wrapped, instance, args, kwargs):

@@ -43,39 +43,31 @@ import inspect
 
 import torch
 
+from .._registry import Fix, Site
 from ._models import holds_intervenable_model
 
 PYREFT = "pyreft.reft_trainer"
 TRANSFORMERS = "transformers.trainer"
-SITES = (
-    f"{PYREFT}:ReftTrainer.compute_loss",
-    f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss",
-    f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader",
-    f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader",
-    f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate",
-    f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed",
-    f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess",
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYREFT}:ReftTrainer.compute_loss", "_wrap_compute_loss"),
+        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss", "_wrap_compute_loss"),
+        Site(f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader", "_wrap_trainers_train_dataloader",
+             kind="replace", fingerprint="5d116c2d76a8b831"),
+        Site(f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader", "_wrap_trainers_train_dataloader",
+             kind="replace", fingerprint="e295c425aee95caf"),
+        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace",
+             fingerprint="a59f16e74668a8d4"),
+        Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
+        Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
+    ),
+    requires=("devices",),  # pyreft's locations are passed on as tensors, which the devices fix indexes with
+    upstream=("pyreft",),
+    checked={"pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
 )
 #: The batch keys pyreft's trainers read in ``compute_loss``.
 PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
-
-
-def patch(registry) -> None:
-    registry.when_imported(PYREFT, functools.partial(_patch_pyreft, registry))
-    registry.when_imported(TRANSFORMERS, functools.partial(_patch_transformers, registry))
-
-
-def _patch_pyreft(registry, module) -> None:
-    registry.wrap(module.ReftTrainer, "compute_loss", _wrap_compute_loss)
-    registry.wrap(module.ReftTrainerForSequenceClassification, "compute_loss", _wrap_compute_loss)
-    registry.wrap(module.ReftTrainerForCausalLM, "get_train_dataloader", _wrap_trainers_train_dataloader)
-    registry.wrap(module.ReftTrainerForCausalLMDistributed, "get_train_dataloader", _wrap_trainers_train_dataloader)
-    registry.wrap(module.ReftTrainerForSequenceClassification, "evaluate", _wrap_evaluate)
-
-
-def _patch_transformers(registry, module) -> None:
-    registry.wrap(module.Trainer, "_set_signature_columns_if_needed", _wrap_set_signature_columns)
-    registry.wrap(module.Trainer, "create_accelerator_and_postprocess", _wrap_create_accelerator)
 
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):

@@ -13,21 +13,18 @@ Checked on transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
-import functools
-
+from .._registry import Fix, Site
 from ..optim import parametrization_original_names
 from ._models import holds_intervenable_model
 
 MODULE = "transformers.trainer"
-SITES = (f"{MODULE}:Trainer.get_decay_parameter_names",)
-
-
-def patch(registry) -> None:
-    registry.when_imported(MODULE, functools.partial(_patch_module, registry))
-
-
-def _patch_module(registry, module) -> None:
-    registry.wrap(module.Trainer, "get_decay_parameter_names", _wrap_get_decay_parameter_names)
+FIX = Fix(
+    __name__,
+    sites=(Site(f"{MODULE}:Trainer.get_decay_parameter_names", "_wrap_get_decay_parameter_names"),),
+    requires=("parameters",),  # names parametrizations' originals by nn.Module's standard names
+    upstream=("pyreft",),
+    checked={"transformers": ">=5.17,<5.25"},
+)
 
 
 def _wrap_get_decay_parameter_names(wrapped, instance, args, kwargs):

@@ -28,6 +28,8 @@ Checked with accelerate 1.15, transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
+from .._registry import Fix, Site
+
 FORWARDED = (
     "_no_split_modules",
     "hf_device_map",
@@ -43,7 +45,6 @@ FORWARDED = (
     "get_input_embeddings",
 )
 ENABLERS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
-SITES = tuple(f"pyvene.models.intervenable_base:BaseModel.{name}" for name in FORWARDED + ENABLERS)
 
 
 class _Forwarded:
@@ -91,10 +92,14 @@ def _require_grads_not_as_leaf(module, inputs, output):
     return output.requires_grad_(True).clone()
 
 
-def patch(registry) -> None:
-    from pyvene.models.intervenable_base import BaseModel
-
-    for name in FORWARDED:
-        registry.add(BaseModel, name, _Forwarded(name))
-    for name in ENABLERS:
-        registry.add(BaseModel, name, _CheckpointingEnabler(name))
+FIX = Fix(
+    __name__,
+    sites=(
+        *(Site(f"pyvene.models.intervenable_base:BaseModel.{name}", _Forwarded(name),
+               kind="add") for name in FORWARDED),
+        *(Site(f"pyvene.models.intervenable_base:BaseModel.{name}", _CheckpointingEnabler(name), kind="add")
+          for name in ENABLERS),
+    ),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
+)

@@ -4,7 +4,7 @@
 
 Steps: ``import`` (pyvene, pyreft, transformers.trainer), ``import-pyvene``, ``import-pyreft``,
 ``capture`` (remember every site's current object), ``patch``, ``unpatch``, ``check-wrapped`` (every
-imported site is wrapped exactly once around the captured object), ``check-restored`` (every site is
+imported site is wrapped exactly once around the captured object; prints each), ``check-restored`` (every site is
 the very object captured, or for sites imported after patching, the plain function defined in its
 module), ``check-lazy`` (pyreft is not imported yet), ``check-behaviour-patched`` /
 ``check-behaviour-original`` (named_parameters of a tiny ReFT model yields all / only trainable ones).
@@ -23,53 +23,38 @@ MISSING = object()
 
 
 def sites():
-    from pyvene_dist.patches import concerns
+    """(path, owner, attribute, kind) of every site of every fix ``patch()`` applies, whose module is imported."""
+    from pyvene_dist.patches import select
 
-    for concern in concerns():
-        for site in concern.SITES:
-            module_name, path = site.split(":")
-            owner_path, attribute = path.rsplit(".", 1) if "." in path else ("", path)
-            module = sys.modules.get(module_name)
-            if module is None:
-                continue
-            owner = module
-            for part in filter(None, owner_path.split(".")):
-                owner = getattr(owner, part)
-            yield site, owner, attribute
+    for fix in select():
+        for site in fix.sites:
+            module = sys.modules.get(site.module)
+            if module is not None:
+                yield site.path, site.owner(module), site.attribute, site.kind
 
 
 def check_wrapped():
-    seen = 0
-    for site, owner, attribute in sites():
+    seen = []
+    for site, owner, attribute, kind in sites():
         current = vars(owner).get(attribute)
-        if site in added_sites():  # an attribute pyvene_dist adds rather than wraps
+        if kind == "add":  # an attribute pyvene_dist adds rather than wraps
             assert captured.get(site, MISSING) is MISSING, f"{site} existed before patching"
             assert current is not None, f"{site} was not added"
-            seen += 1
+            seen.append(site)
             continue
         assert isinstance(current, wrapt.FunctionWrapper), f"{site} is not wrapped: {current!r}"
         assert not isinstance(current.__wrapped__, wrapt.ObjectProxy), f"{site} is wrapped twice"
         if site in captured:
             assert current.__wrapped__ is captured[site], f"{site} wraps something other than the original"
-        seen += 1
+        seen.append(site)
     assert seen, "no site checked"
     return seen
 
 
-def added_sites():
-    from pyvene_dist._registry import _MISSING, REGISTRY
-
-    added = set()
-    for record in REGISTRY.sites:
-        if record.original is _MISSING:
-            module = record.owner.__module__ if isinstance(record.owner, type) else record.owner.__name__
-            qualname = f"{record.owner.__qualname__}." if isinstance(record.owner, type) else ""
-            added.add(f"{module}:{qualname}{record.attribute}")
-    return added
-
-
 def check_restored():
-    for site, owner, attribute in sites():
+    seen = []
+    for site, owner, attribute, _ in sites():
+        seen.append(site)
         current = vars(owner).get(attribute, MISSING)
         if captured.get(site) is MISSING or (site not in captured and current is MISSING):
             assert current is MISSING, f"{site} was added by patching and is still there"
@@ -84,6 +69,7 @@ def check_restored():
             home = sys.modules[current.__module__]
             defined = functools.reduce(getattr, current.__qualname__.split("."), home)
             assert defined is current, f"{site} is not the function {current.__module__} defines"
+    return seen
 
 
 def named_parameter_count():
@@ -103,7 +89,7 @@ def run(step):
         importlib.import_module("pyreft")
         importlib.import_module("transformers.trainer")
     elif step == "capture":
-        captured.update({site: vars(owner).get(attribute, MISSING) for site, owner, attribute in sites()})
+        captured.update({site: vars(owner).get(attribute, MISSING) for site, owner, attribute, _ in sites()})
     elif step == "patch":
         import pyvene_dist
 
@@ -115,9 +101,9 @@ def run(step):
         pyvene_dist.unpatch()
         assert not pyvene_dist.is_patched()
     elif step == "check-wrapped":
-        print("wrapped", check_wrapped())
+        print(*(f"wrapped {site}" for site in check_wrapped()), sep="\n")
     elif step == "check-restored":
-        check_restored()
+        print(*(f"restored {site}" for site in check_restored()), sep="\n")
     elif step == "check-lazy":
         assert "pyreft" not in sys.modules, "patch() imported pyreft"
     elif step == "check-behaviour-patched":
