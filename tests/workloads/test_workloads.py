@@ -54,3 +54,21 @@ def test_workload_matches_one_process_without_checkpointing(worlds, workload, st
         assert found["resumed_losses"][-1] == pytest.approx(candidate.record.losses[-1], rel=1e-6)
         for name, weight in candidate.record.weights.items():
             torch.testing.assert_close(found["resumed_weights"][name], weight, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_table_of_largest_deviations(worlds):
+    """The table ``python tests/workloads/suite.py`` prints, from this session's worlds; written to the
+    file named by PYVENE_DIST_WORKLOAD_TABLE, if set. Every case has a figure or the reason it has none."""
+    import os
+
+    strategies = [s for s in suite.STRATEGIES if s != "fsdp2" or torch.cuda.is_available()]
+    text = suite.table(worlds("single"), {"single": worlds("single"), **{s: worlds(s) for s in strategies}})
+    print(text)
+    if os.environ.get("PYVENE_DIST_WORKLOAD_TABLE"):
+        with open(os.environ["PYVENE_DIST_WORKLOAD_TABLE"], "w") as table:
+            table.write(text + "\n")
+    rows = text.splitlines()[2:]
+    assert len(rows) == 2 * len(suite.WORKLOADS)
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")][2:]
+        assert all(cell.startswith("skip") or float(cell) >= 0 for cell in cells), row
