@@ -499,7 +499,7 @@ def table(reference: dict, worlds: dict[str, dict]) -> str:
                 found = worlds[strategy].get((workload, checkpointing))
                 reason = needs_fix(workload, strategy, checkpointing)
                 if reason:
-                    cells.append(f"skip: {reason.split('(')[0].strip()}")
+                    cells.append(f"skip: {reason.split('(')[0].split(':')[0].strip()}")
                 elif not isinstance(expected, Run):
                     cells.append("reference failed")
                 elif not isinstance(found, Run):
