@@ -483,7 +483,7 @@ def tolerance(workload: str, strategy: str):
     return TOLERANCES[torch.float32]
 
 
-def table(reference: dict, worlds: dict[str, dict]) -> str:
+def table(reference: dict, worlds: dict[str, dict], workloads=tuple(WORKLOADS)) -> str:
     """Markdown: one row per workload x checkpointing, one column per strategy, each cell the largest
     relative deviation from the reference without checkpointing (loss, gradients, weights), or why not."""
     from pyvene_dist.testing import differences
@@ -491,7 +491,7 @@ def table(reference: dict, worlds: dict[str, dict]) -> str:
     strategies = list(worlds)
     lines = ["| workload | checkpointing | " + " | ".join(strategies) + " |",
              "|---|---|" + "---|" * len(strategies)]
-    for workload in WORKLOADS:
+    for workload in workloads:
         for checkpointing in CHECKPOINTING:
             cells = []
             for strategy in strategies:
@@ -527,7 +527,7 @@ def main() -> None:
         worlds = {"single": reference} if options.gpu else {
             strategy: world(folder, strategy, cases_for(strategy, workloads))
             for strategy in options.strategies.split(",")}
-    text = table(reference, worlds)
+    text = table(reference, worlds, workloads)
     print(text)
     if options.table:
         Path(options.table).write_text(text + "\n")
