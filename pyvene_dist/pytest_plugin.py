@@ -11,19 +11,37 @@ Marker ``world_size(*sizes, backend=None, timeout=None)``. The backend is ``--wo
 (``auto``: nccl on a machine with GPUs, gloo on one without); a size that needs more GPUs than the
 machine has is skipped with the number it needs. ``timeout`` (default ``--world-timeout``, 300 s)
 bounds the whole world: past it, every live rank's stack is printed and the test fails.
-Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works).
+Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works); one that
+cannot be pickled (``capsys``, ``request``, a lambda in ``parametrize``) fails the test with one line
+naming it.
 
-Loaded through the ``pytest11`` entry point; importing it imports nothing but pytest.
+Loaded through the ``pytest11`` entry point as ``pyvene_dist``; ``-p pyvene_dist.pytest_plugin`` and
+``pytest_plugins = ["pyvene_dist.pytest_plugin"]`` load the same module once. Importing it imports
+nothing but pytest.
 """
 
 from __future__ import annotations
 
 import inspect
+import pickle
+import sys
 import tempfile
 
 import pytest
 
 WORLD_SIZE_ARG = "world_size"
+#: The names pytest may register this module under: the entry point's and the module's own.
+NAMES = ("pyvene_dist", __name__)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Called as this module is registered: block its other name, so that pytest, meeting the module
+    again under that name (``-p`` is read before entry points, conftest ``pytest_plugins`` after), skips
+    it instead of stopping with "Plugin already registered under a different name"."""
+    registered = pluginmanager.get_name(sys.modules[__name__])
+    for name in NAMES:
+        if name != registered and pluginmanager.get_plugin(name) is None:
+            pluginmanager.set_blocked(name)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -85,6 +103,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     timeout = marker.kwargs.get("timeout") or pyfuncitem.config.getoption("--world-timeout")
     declared = inspect.signature(pyfuncitem.obj).parameters
     kwargs = {name: value for name, value in pyfuncitem.funcargs.items() if name in declared}
+    _check_picklable(pyfuncitem, kwargs)
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-world") as workdir:
         outcome = spawn(
             pyfuncitem.obj, world_size=world_size, backend=backend, timeout=timeout, workdir=workdir, kwargs=kwargs
@@ -95,6 +114,29 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
         reasons = sorted({f"{r.detail}" for r in outcome.skipped})
         pytest.skip("; ".join(reasons))
     return True
+
+
+def _check_picklable(item: pytest.Function, kwargs: dict) -> None:
+    """Each rank gets the test's arguments pickled: say which one cannot be, in one line."""
+    parameters = item.callspec.params
+    for name, value in kwargs.items():
+        error = _pickling_error(value)
+        if error is not None:
+            kind = "parameter" if name in parameters and name != WORLD_SIZE_ARG else "fixture"
+            pytest.fail(
+                f"{item.nodeid}: {kind} {name!r} ({type(value).__name__}) cannot be sent to the ranks, which "
+                f"get their arguments pickled: {error}. Pass picklable values (module-level functions, "
+                "not lambdas), or make the object inside the test body.",
+                pytrace=False,
+            )
+
+
+def _pickling_error(value) -> str | None:
+    try:
+        pickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 -- pickling raises many kinds (TypeError, PicklingError, ...)
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _backend(config: pytest.Config, marker: pytest.Mark, world_size: int) -> str:

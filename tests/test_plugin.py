@@ -131,3 +131,67 @@ def test_auto_backend_never_puts_two_ranks_on_a_machine_with_too_few_gpus(monkey
             pytest_plugin._backend(config, marker, 2)
     else:
         assert pytest_plugin._backend(config, marker, 2) == expected
+
+
+@pytest.mark.slow
+def test_no_op_worlds_pass_100_times_in_a_row_on_a_loaded_machine(pytester):
+    """A rank whose body is ``pass`` used to leave while the other was still inside init_process_group,
+    which then failed with ``Gloo connectFullMesh failed ... Connection closed by peer`` (1 to 6 times
+    in 20 under load). Two busy processes load the cores while 100 worlds start and stop."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        result = run(pytester, """
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("repeat", range(100))
+def test_nothing(repeat):
+    pass
+""")
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    result.assert_outcomes(passed=100)
+
+
+@pytest.mark.parametrize("load", [
+    pytest.param(["-p", "pyvene_dist.pytest_plugin"], id="-p"),
+    pytest.param(["conftest"], id="conftest-pytest_plugins"),
+])
+def test_plugin_named_by_its_module_loads_beside_the_entry_point(pytester, load):
+    if load == ["conftest"]:
+        pytester.makeconftest('pytest_plugins = ["pyvene_dist.pytest_plugin"]')
+        load = []
+    result = run(pytester, """
+@pytest.mark.world_size(1)
+def test_one(world_size):
+    assert dist.get_world_size() == world_size
+""", *load)
+    result.assert_outcomes(passed=1)
+
+
+def test_unpicklable_fixture_or_parameter_is_named_in_one_line(pytester):
+    result = run(pytester, """
+@pytest.mark.world_size(2)
+def test_capsys(capsys):
+    pass
+
+@pytest.mark.world_size(2)
+def test_request(request):
+    pass
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("transform", [lambda x: x])
+def test_lambda(transform):
+    pass
+""")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines([
+        "test_world.py::test_capsys?world2?: fixture 'capsys' (CaptureFixture) cannot be sent to the ranks, *",
+        "test_world.py::test_request?world2?: fixture 'request' (*) cannot be sent to the ranks, *",
+        "test_world.py::test_lambda?world2-<lambda>?: parameter 'transform' (function) cannot be sent to the "
+        "ranks, which get their arguments pickled: *lambda*",
+    ])
+    assert "Traceback" not in result.stdout.str()

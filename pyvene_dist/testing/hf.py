@@ -46,12 +46,13 @@ class InterventionGradients(TrainerCallback):
     left to read when this event fires.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model=None) -> None:
+        self.model = model  # the ReFT model, when the trainer was handed a wrapper of it (DDP)
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not args.deepspeed:
-            self.steps.append(intervention_grads(model))
+            self.steps.append(intervention_grads(self.model or model))
 
 
 def training_arguments(case: ParityCase, output_dir: str, world_size: int, **overrides: Any) -> TrainingArguments:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 PASSED, SKIPPED, FAILED, TIMED_OUT, CRASHED = "passed", "skipped", "failed", "timed out", "crashed"
+INITIALISED = "pyvene_dist/initialised"  # store keys a rank sets once its process group is up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +196,14 @@ def _init_process_group(backend: str, store_path: str, rank: int, world_size: in
     if backend == "nccl":
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
-    )
+    deadline = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=deadline)
+    # gloo's connectFullMesh returns on a rank as soon as its own side of every pair is up. A rank whose
+    # test body is short then leaves and closes pairs a slower rank is still connecting ("Gloo
+    # connectFullMesh failed ... Connection closed by peer"). No rank starts the body, so none leaves,
+    # before every rank is through init_process_group.
+    store.set(f"{INITIALISED}/{rank}", "1")
+    store.wait([f"{INITIALISED}/{other}" for other in range(world_size)], deadline)
 
 
 def _destroy_process_group() -> None:
