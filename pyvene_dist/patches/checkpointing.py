@@ -71,6 +71,16 @@ FIX = Fix(
 _applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
 
 
+def in_checkpointed_forward() -> bool:
+    """Whether a checkpointing model's training forward, or a recomputation of one, is running here.
+
+    What runs inside must save the same tensors both times; ``orthogonal`` stays eager there, since a
+    rotation captured between the forward and its recomputation would save fewer (torch's
+    ``CheckpointError``: "A different number of tensors was saved", seen on an H200).
+    """
+    return _applying.get() is not None
+
+
 class Forward:
     """One training forward of a checkpointing model: its intervening hooks (``kept``), kept for the
     recomputation of its checkpointed layers and acting only in that forward and those recomputations."""

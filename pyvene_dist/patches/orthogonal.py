@@ -25,7 +25,10 @@ the backward takes that product's gradient in bf16 as autograd does, the rest in
 
 Graphs are used for float32 tall matrices on CUDA with a ``base`` (``use_trivialization=True``, torch's
 default and pyreft's), outside ``torch.compile`` and another capture, for a module that is not a
-DataParallel replica and a plain tensor (not a DeepSpeed partition or a DTensor). They are captured at
+DataParallel replica and a plain tensor (not a DeepSpeed partition or a DTensor), and not inside a
+gradient-checkpointed training forward or its recomputation (``checkpointing.in_checkpointed_forward``):
+a rotation eager in the forward and replayed in the recomputation saves fewer tensors, which torch's
+non-reentrant checkpoint refuses. They are captured at
 the ``WARM_CALLS``-th call with the same storage, strides and settings, and again when the storage of
 ``X`` or ``base`` changes (a move, an assigning load), the float32 matmul settings or the autocast state
 change. In-place updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as
@@ -47,6 +50,7 @@ import weakref
 import torch
 
 from .._registry import Fix, Site
+from . import checkpointing
 
 FIX = Fix(
     __name__,
@@ -135,6 +139,7 @@ def _applies(orthogonal, X) -> bool:
         and str(getattr(orthogonal, "orthogonal_map", "")).endswith("householder")
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
+        and not checkpointing.in_checkpointed_forward()
     )
 
 
