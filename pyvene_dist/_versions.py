@@ -3,6 +3,8 @@
 The patches reach into pyvene's and pyreft's internals; against another release they could wrap the
 wrong thing and give a silently wrong result. ``patch()`` therefore refuses an unsupported release
 unless told otherwise, with ``patch(allow_unsupported=True)`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
+The variable takes ``1``/``true``/``yes`` (on) and ``0``/``false``/``no`` or empty (off), in any case;
+anything else is refused, so that ``=false`` cannot turn the override on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SUPPORTED: dict[str, str] = {
 }
 OPTIONAL = frozenset({"pyreft"})
 ALLOW_ENV = "PYVENE_DIST_ALLOW_UNSUPPORTED"
+ALLOW_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -54,7 +57,7 @@ def check(allow_unsupported: bool | None = None) -> None:
     if not problems:
         return
     if allow_unsupported is None:
-        allow_unsupported = os.environ.get(ALLOW_ENV, "") not in ("", "0")
+        allow_unsupported = allowed_by_environment()
     message = "; ".join(problems)
     if allow_unsupported:
         warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=3)
@@ -62,3 +65,16 @@ def check(allow_unsupported: bool | None = None) -> None:
     raise UnsupportedVersionError(
         f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set {ALLOW_ENV}=1."
     )
+
+
+def allowed_by_environment() -> bool:
+    """``PYVENE_DIST_ALLOW_UNSUPPORTED`` read as a switch; a value that is none of ``ALLOW_VALUES`` is refused."""
+    value = os.environ.get(ALLOW_ENV, "")
+    try:
+        return ALLOW_VALUES[value.strip().lower()]
+    except KeyError:
+        accepted = ", ".join(repr(v) for v in ALLOW_VALUES if v)
+        raise ValueError(
+            f"{ALLOW_ENV}={value!r} is not a switch value; use one of {accepted} (case does not matter), "
+            "or leave it unset or empty"
+        ) from None
