@@ -5,6 +5,8 @@ wrong thing and give a silently wrong result. Each fix's record says which relea
 (``Fix.checked``); ``patch()`` compares the installed releases with those of the fixes it applies (a fix
 upstream carries is not applied, so its range does not count), and refuses a mismatch unless told
 otherwise, with ``patch(allow_unsupported=True)`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
+The variable takes ``1``/``true``/``yes`` (on) and ``0``/``false``/``no`` or empty (off), in any case;
+anything else is refused, so that ``=false`` cannot turn the override on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ REQUIRED: dict[str, str] = {"transformers": ">=5.17,<5.25", "torch": ">=2.11,<2.
 #: Distributions that may be missing (their fixes then have nothing to fix).
 OPTIONAL = frozenset({"pyreft"})
 ALLOW_ENV = "PYVENE_DIST_ALLOW_UNSUPPORTED"
+ALLOW_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -67,8 +70,21 @@ def mismatches(fixes: Iterable | None = None) -> list[str]:
 
 def allowed(allow_unsupported: bool | None) -> bool:
     if allow_unsupported is None:
-        return os.environ.get(ALLOW_ENV, "") not in ("", "0")
+        return allowed_by_environment()
     return allow_unsupported
+
+
+def allowed_by_environment() -> bool:
+    """``PYVENE_DIST_ALLOW_UNSUPPORTED`` read as a switch; a value that is none of ``ALLOW_VALUES`` is refused."""
+    value = os.environ.get(ALLOW_ENV, "")
+    try:
+        return ALLOW_VALUES[value.strip().lower()]
+    except KeyError:
+        accepted = ", ".join(repr(v) for v in ALLOW_VALUES if v)
+        raise ValueError(
+            f"{ALLOW_ENV}={value!r} is not a switch value; use one of {accepted} (case does not matter), "
+            "or leave it unset or empty"
+        ) from None
 
 
 def check(fixes: Iterable, allow_unsupported: bool) -> None:
@@ -82,3 +98,16 @@ def check(fixes: Iterable, allow_unsupported: bool) -> None:
     raise UnsupportedVersionError(
         f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set {ALLOW_ENV}=1."
     )
+
+
+def allowed_by_environment() -> bool:
+    """``PYVENE_DIST_ALLOW_UNSUPPORTED`` read as a switch; a value that is none of ``ALLOW_VALUES`` is refused."""
+    value = os.environ.get(ALLOW_ENV, "")
+    try:
+        return ALLOW_VALUES[value.strip().lower()]
+    except KeyError:
+        accepted = ", ".join(repr(v) for v in ALLOW_VALUES if v)
+        raise ValueError(
+            f"{ALLOW_ENV}={value!r} is not a switch value; use one of {accepted} (case does not matter), "
+            "or leave it unset or empty"
+        ) from None

@@ -104,6 +104,43 @@ def test_version_guard_override(monkeypatch, how):
     assert not pyvene_dist.is_patched()
 
 
+@pytest.mark.parametrize("value", ["false", "0", "no", "FALSE", ""])
+def test_version_guard_override_off(monkeypatch, value):
+    import pyvene_dist
+    from pyvene_dist import _versions
+
+    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setenv(_versions.ALLOW_ENV, value)
+    with pytest.raises(_versions.UnsupportedVersionError):
+        pyvene_dist.patch()
+    assert not pyvene_dist.is_patched()
+
+
+@pytest.mark.parametrize("value", ["true", "Yes"])
+def test_version_guard_override_words(monkeypatch, value):
+    import pyvene_dist
+    from pyvene_dist import _versions
+
+    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setenv(_versions.ALLOW_ENV, value)
+    with pytest.warns(RuntimeWarning, match="patching anyway"):
+        with pyvene_dist.patched():
+            assert pyvene_dist.is_patched()
+
+
+def test_version_guard_refuses_other_override_values(monkeypatch):
+    import pyvene_dist
+    from pyvene_dist import _versions
+
+    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setenv(_versions.ALLOW_ENV, "maybe")
+    with pytest.raises(ValueError) as error:
+        pyvene_dist.patch()
+    assert str(error.value).startswith("PYVENE_DIST_ALLOW_UNSUPPORTED='maybe' is not a switch value")
+    assert "'1', 'true', 'yes', '0', 'false', 'no'" in str(error.value)
+    assert not pyvene_dist.is_patched()
+
+
 def test_unpatch_refuses_when_someone_replaced_a_site():
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel

@@ -23,7 +23,11 @@ What fails today:
   partitioned ones (ZeRO-3). Every rank now calls ``save_intervention``, which gathers what is
   partitioned (``pyvene_dist.gather``) and writes on rank 0. ``ReftTrainerForCausalLMDistributed``
   overrides ``save_model`` to call it on rank 0 alone, which then waits forever for the other ranks; it
-  now calls it on every rank too.
+  now calls it on every rank too. ``ReftTrainer.save_model`` (and ``_load_best_model``) called
+  ``save_intervention`` on ``trainer.model``: pyreft's multi-GPU example hands the trainer a
+  ``DistributedDataParallel`` wrapper, and the first checkpoint failed with ``AttributeError:
+  'DistributedDataParallel' object has no attribute 'save_intervention'``. They now reach the pyvene
+  model inside whatever wraps it.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -54,6 +58,7 @@ FIX = Fix(
              kind="replace", fingerprint="d474bae7d6bf39cc"),
         Site("pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model", "_wrap_save_model_on_every_rank",
              kind="replace", fingerprint="0b6d3f310fbfca11"),
+        Site("pyreft.reft_trainer:ReftTrainer._load_best_model", "_wrap_load_best_model"),
         Site(f"{TRANSFORMERS}:Trainer._load_from_checkpoint", "_wrap_load_from_checkpoint"),
     ),
     upstream=("pyvene", "pyreft"),
@@ -141,6 +146,7 @@ def _wrap_save_model(wrapped, instance, args, kwargs):
     import torch.distributed as dist
 
     from ..gather import is_main_process
+    from ._models import unwrap_intervenable_model
 
     output_dir = args[0] if args else kwargs.get("output_dir") or instance.args.output_dir
     target = os.path.join(output_dir, INTERVENTIONS_DIR)
@@ -152,13 +158,24 @@ def _wrap_save_model(wrapped, instance, args, kwargs):
 
         logging.get_logger(__name__).warning(f"{target} already holds files; not overwriting them (as pyreft)")
         return
-    instance.model.save_intervention(save_directory=target, include_model=True)
+    unwrap_intervenable_model(instance.model).save_intervention(save_directory=target, include_model=True)
 
 
 def _wrap_save_model_on_every_rank(wrapped, instance, args, kwargs):
     from pyreft.reft_trainer import ReftTrainer
 
     return ReftTrainer.save_model(instance, *args, **kwargs)  # writes once, on rank 0, itself
+
+
+def _wrap_load_best_model(wrapped, instance, args, kwargs):
+    from transformers.utils import logging
+
+    from ._models import unwrap_intervenable_model
+
+    best = instance.state.best_model_checkpoint
+    logging.get_logger(__name__).warning(f"Loading best model from {best} (score: {instance.state.best_metric}).")
+    unwrap_intervenable_model(instance.model).load_intervention(os.path.join(best, INTERVENTIONS_DIR),
+                                                               include_model=True)
 
 
 def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):

@@ -70,7 +70,17 @@ def _difference(reference: list, theirs: list, rank: int) -> str:
             for name, a, b in zip(fields, ours[key][1:], others[key][1:]):
                 if a != b:
                     lines.append(f"{key}: {name} is {a!r} on rank 0 and {b!r} on rank {rank}")
+        if not lines and [row[0] for row in ours_model] != [row[0] for row in their_model]:
+            lines.append(_order_difference(ours_model, their_model, rank))
     return "; ".join(lines) or f"rank {rank} holds {len(theirs)} pyvene models, rank 0 {len(reference)}"
+
+
+def _order_difference(ours: list, theirs: list, rank: int) -> str:
+    """The same interventions built in another order: pyvene's keys (and DDP's buckets) follow the order."""
+    first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0])
+    return (f"the same interventions in another order: position {first} is {ours[first][0]} on rank 0 and "
+            f"{theirs[first][0]} on rank {rank} (rank 0: {', '.join(row[0] for row in ours)}; rank {rank}: "
+            f"{', '.join(row[0] for row in theirs)})")
 
 
 def _summary(row: tuple) -> str:

@@ -9,13 +9,26 @@ host from running ahead of the GPU, so every microsecond of Python in pyvene's h
 
 The fix, for stateless models in pyvene's parallel mode (ReFT's):
 
-- ``BaseModel._broadcast_unit_locations``: after pyvene broadcasts the locations, each intervention's
-  nested lists become one int64 tensor on the model's device, copied from pinned memory without
-  blocking; tensors (pyreft's) pass through. ``patches.devices`` then indexes with them as they are.
+- ``BaseModel._input_validation``, which pyvene calls right after broadcasting the locations (in
+  ``forward`` and ``generate``): once they are checked (below), each intervention's nested lists become
+  one int64 tensor on the model's device, copied from pinned memory without blocking; tensors (pyreft's)
+  pass through. ``patches.devices`` then indexes with them as they are.
   Ragged lists (which pyvene would reject later) are left for pyvene to report.
 - pyreft's trainers pass their collated tensor through unchanged (``patches.trainer``, item 6).
 
 Results are bit-identical: the same indices reach the same ``torch.gather`` and index writes.
+
+Locations that do not fit the batch are refused before anything runs, while they are still on the
+host. pyvene checks none of it: one row of locations for a batch of 4 gives no error and wrong outputs for examples 1 to 3 (the row is
+broadcast by the index arithmetic); 5 rows, locations for 1 of 2 interventions, or position 8 in a
+sequence of 8 fail deep inside with ``RuntimeError: Size does not match at dimension 0``,
+``IndexError: list index out of range`` or ``RuntimeError: index 8 is out of bounds``. Now: one entry per
+intervention, one row per example, positions of ``pos`` units inside the base sequence, and for
+``subspaces`` one entry per intervention and one row per example; the error names the entry, e.g.
+``unit_locations['sources->base'][1][0] has 1 row but the batch has 4 examples``. Only lengths and
+shapes are read, and values only where they are on the host (lists, CPU tensors): nothing waits for
+the GPU. Locations already on the GPU (pyreft's collated tensor) have their shape checked, not their values.
+
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 """
 
@@ -28,23 +41,126 @@ from .devices import as_index
 
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel._broadcast_unit_locations",
-                "_wrap_broadcast_unit_locations"),),
+    sites=(Site("pyvene.models.intervenable_base:BaseModel._input_validation", "_wrap_input_validation"),),
     requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},
 )
 
 
-def _wrap_broadcast_unit_locations(wrapped, instance, args, kwargs):
-    broadcast = wrapped(*args, **kwargs)
+def _wrap_input_validation(wrapped, instance, args, kwargs):
+    base, _, unit_locations, _, subspaces = _validation_arguments(*args, **kwargs)
     if instance.mode != "parallel" or not instance.is_model_stateless:
-        return broadcast
-    device = instance.get_device()
+        return wrapped(*args, **kwargs)
+    check_unit_locations(instance, base, unit_locations)
+    check_subspaces(instance, base, subspaces)
+    result = wrapped(*args, **kwargs)
+    if unit_locations:
+        _put_on_device(instance, unit_locations)
+    return result
+
+
+def _validation_arguments(base, sources, unit_locations, activations_sources, subspaces):
+    return base, sources, unit_locations, activations_sources, subspaces
+
+
+def check_unit_locations(model, base, unit_locations) -> None:
+    """Broadcast ``unit_locations`` against the batch: raises ``ValueError`` naming the entry that does not fit."""
+    if not unit_locations:
+        return
+    batch, length = _batch_and_length(base)
+    units = [model.representations[key].unit for key in model.sorted_keys]
+    for key, pair in unit_locations.items():
+        if not isinstance(pair, (tuple, list)):
+            continue
+        for side, part in enumerate(pair):
+            if part is None:
+                continue
+            where = f"unit_locations[{key!r}][{side}]"
+            _check_count(where, part, len(units))
+            for index, (locations, unit) in enumerate(zip(part, units)):
+                if locations is None or unit == "t":
+                    continue
+                name = f"{where}[{index}]"
+                if "." in unit and isinstance(locations, (tuple, list)) and len(locations) == 2:  # (heads, positions)
+                    for level, levelled in enumerate(locations):
+                        _check_rows(f"{name}[{level}]", levelled, batch)
+                    _check_positions(f"{name}[1]", locations[1], length if side == 1 else None)
+                else:
+                    _check_rows(name, locations, batch)
+                    if unit == "pos":
+                        _check_positions(name, locations, length if side == 1 else None)
+
+
+def check_subspaces(model, base, subspaces) -> None:
+    if not isinstance(subspaces, (list, torch.Tensor)):
+        return
+    count = len(model.sorted_keys)
+    batch, _ = _batch_and_length(base)
+    _check_count("subspaces", subspaces, count)
+    for index, rows in enumerate(subspaces):
+        if rows is not None:
+            _check_rows(f"subspaces[{index}]", rows, batch)
+
+
+def _batch_and_length(base) -> tuple[int | None, int | None]:
+    tensor = base.get("input_ids", base.get("inputs_embeds")) if isinstance(base, dict) else base
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+        return None, None
+    return tensor.shape[0], tensor.shape[1]
+
+
+def _check_count(where: str, part, expected: int) -> None:
+    found = part.shape[0] if isinstance(part, torch.Tensor) else len(part) if isinstance(part, (list, tuple)) else None
+    if found is not None and found != expected:
+        raise ValueError(f"{where} has {found} entr{'y' if found == 1 else 'ies'} but the model has {expected} "
+                         "interventions: give one entry per intervention (None to leave one out)")
+
+
+def _check_rows(where: str, rows, batch: int | None) -> None:
+    if batch is None:
+        return
+    if isinstance(rows, torch.Tensor):
+        found = rows.shape[0] if rows.dim() else None
+    elif isinstance(rows, (list, tuple)):
+        found = len(rows)
+    else:
+        return
+    if found is not None and found != batch:
+        raise ValueError(f"{where} has {found} row{'s' * (found != 1)} but the batch has {batch} examples: "
+                         "give one row per example")
+
+
+def _check_positions(where: str, rows, length: int | None) -> None:
+    """Positions of the base sequence, checked where they are on the host; a GPU tensor is left alone."""
+    if length is None:
+        return
+    if isinstance(rows, torch.Tensor):
+        if rows.device.type != "cpu" or not rows.numel():
+            return
+        low, high = int(rows.min()), int(rows.max())
+    elif isinstance(rows, (list, tuple)):
+        flat = [p for row in rows if isinstance(row, (list, tuple)) for p in row if isinstance(p, int)]
+        if not flat:
+            return
+        low, high = min(flat), max(flat)
+    else:
+        return
+    if low < 0 or high >= length:
+        bad = high if high >= length else low
+        raise ValueError(f"{where} holds position {bad} but the sequence has {length} positions (0 to {length - 1})")
+
+
+def _put_on_device(model, broadcast: dict) -> None:
+    """Replace the lists in ``broadcast`` (the dict pyvene's ``_broadcast_unit_locations`` just built, which
+    ``forward`` goes on to use) with device tensors."""
+    device = model.get_device()
     if device.type == "meta":
-        return broadcast
-    units = [instance.representations[key].unit for key in instance.sorted_keys]
-    return {key: tuple(_on_device(part, units, device) for part in pair) for key, pair in broadcast.items()}
+        return
+    units = [model.representations[key].unit for key in model.sorted_keys]
+    for key, pair in broadcast.items():
+        if isinstance(pair, tuple):
+            broadcast[key] = tuple(_on_device(part, units, device) for part in pair)
 
 
 def _on_device(part, units: list[str], device: torch.device):

@@ -5,6 +5,11 @@ pyvene resolves ``{"layer": 40, "component": "block_output"}`` on a 32-layer mod
 path: ``AttributeError: 'LlamaModel' object has no attribute ...``), from deep inside the resolver.
 The fix names the representation, the module path it resolved to, and how many layers the model has.
 
+For an architecture pyvene has no mapping for (Phi-3, say), pyvene reads the component as a module path,
+finds none, and the same error blames layer 0. The fix says that the architecture is not mapped, and how
+to map it (``pyvene.type_to_module_mapping`` and ``pyvene.type_to_dimension_mapping``) or to name a
+module path instead.
+
 ``intervenable_base`` star-imports ``get_module_hook`` from ``modeling_utils``: both are wrapped.
 Checked on pyvene 0.1.8.
 """
@@ -29,9 +34,31 @@ def _wrap_get_module_hook(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     except (IndexError, AttributeError) as error:
         model, representation = args[0], args[1]
+        if not _is_mapped(model):
+            raise ValueError(_unmapped_message(model, representation)) from error
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         count = f"; {type(model).__name__} has {layers} layers (0 to {layers - 1})" if layers else ""
         raise ValueError(
             f"representation layer={representation.layer} component={representation.component!r} names no module "
             f"of {type(model).__name__} ({type(error).__name__}: {error}){count}"
         ) from error
+
+
+def _is_mapped(model) -> bool:
+    from pyvene.models.intervenable_modelcard import type_to_module_mapping
+
+    return type(model) in type_to_module_mapping
+
+
+def _unmapped_message(model, representation) -> str:
+    name = f"{type(model).__module__}.{type(model).__qualname__}"
+    return (
+        f"representation layer={representation.layer} component={representation.component!r}: pyvene has no "
+        f"mapping for the architecture {type(model).__name__}, so it cannot tell where its layers and components "
+        f"are. Add one before building the model, as pyvene's own models do (pyvene/models/llama/"
+        f"modelings_intervenable_llama.py):\n"
+        f"    pyvene.type_to_module_mapping[{name}] = {{'block_output': ('model.layers[%s]', "
+        f"pyvene.models.constants.CONST_OUTPUT_HOOK), ...}}\n"
+        f"    pyvene.type_to_dimension_mapping[{name}] = {{'block_output': ('hidden_size',), ...}}\n"
+        f"or name a module path as the component, e.g. component='model.layers[0].output'"
+    )

@@ -32,6 +32,11 @@
    ``compute_loss`` now sees them through ``DeviceLocations``, which answers that call with the permuted
    tensor itself; pyvene_dist's gather and scatter index with it on the device. The loss code is pyreft's.
 
+7. pyreft's README and examples pass ``tokenizer=`` to its trainers; transformers 5 renamed that keyword
+   ``processing_class`` (4.46 to 4.x took both) and fails with ``TypeError: Trainer.__init__() got an
+   unexpected keyword argument 'tokenizer'``. pyreft's trainers (``ReftTrainer`` and its subclasses, not
+   HF Trainer for anyone else) take ``tokenizer=`` as ``processing_class`` where ``Trainer`` lacks it.
+
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -59,6 +64,7 @@ FIX = Fix(
              kind="replace", fingerprint="e295c425aee95caf"),
         Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace",
              fingerprint="a59f16e74668a8d4"),
+        Site(f"{PYREFT}:ReftTrainer.__init__", "_reft_trainer_init", kind="add"),
         Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
         Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
     ),
@@ -112,6 +118,23 @@ class _Listed:
 
     def tolist(self) -> torch.Tensor:
         return self.tensor
+
+
+def _reft_trainer_init(self, *args, **kwargs):
+    """``Trainer.__init__``, taking pyreft's ``tokenizer=`` as ``processing_class`` where Trainer has no ``tokenizer``."""
+    from pyreft.reft_trainer import ReftTrainer
+
+    if "tokenizer" in kwargs and not _trainer_takes_tokenizer():
+        if kwargs.get("processing_class") is not None:
+            raise TypeError(f"{type(self).__name__}: pass tokenizer= or processing_class=, not both")
+        kwargs["processing_class"] = kwargs.pop("tokenizer")
+    super(ReftTrainer, self).__init__(*args, **kwargs)
+
+
+def _trainer_takes_tokenizer() -> bool:
+    from transformers import Trainer
+
+    return "tokenizer" in inspect.signature(Trainer.__init__).parameters
 
 
 def _wrap_set_signature_columns(wrapped, instance, args, kwargs):

@@ -1,0 +1,149 @@
+"""pyreft's own flows as its README and examples write them, on a model and tokenizer loaded from a folder.
+
+The folder is made once per module: a tiny Llama saved with ``save_pretrained`` beside a real BPE
+tokenizer trained with the ``tokenizers`` package, both loaded back with ``Auto*`` as users do.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import helpers
+
+SENTENCES = [
+    "who are you?", "I am a tiny model trained for a test.", "what is the capital of France?",
+    "Paris is the capital of France.", "how many legs does a cat have?", "a cat has four legs.",
+    "say something nice", "you are doing great today.",
+]
+PROMPT = "<s>user: %s\nassistant: "
+ALPACA_PROMPT = (  # pyreft's template for examples without an input, in the tokenizer's corpus so it stays short
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n### Response:\n"
+)
+
+
+def build_folder(folder) -> str:
+    """A tiny Llama and a trained BPE tokenizer, saved together in ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator((SENTENCES + [ALPACA_PROMPT]) * 4, trainers.BpeTrainer(
+        vocab_size=160, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>", model_max_length=256)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def load(folder, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(folder, padding_side="right")
+
+
+def loreft(model, layers, rank=2, dtype=torch.float32):
+    import pyreft
+
+    torch.manual_seed(1)
+    return pyreft.ReftConfig(representations=[{
+        "layer": layer, "component": "block_output", "low_rank_dimension": rank,
+        "intervention": pyreft.LoreftIntervention(embed_dim=model.config.hidden_size, low_rank_dimension=rank,
+                                                  dtype=dtype),
+    } for layer in layers])
+
+
+def arguments(output_dir, **overrides):
+    from transformers import TrainingArguments
+
+    settings = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=4e-3,
+                    report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0)
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def test_readme_quickstart_passes_tokenizer_to_the_trainer(patched, model_folder, tmp_path):
+    """pyreft's README: ``ReftTrainerForCausalLM(model=..., tokenizer=tokenizer, ...)``. transformers 5
+    renamed the keyword: ``TypeError: Trainer.__init__() got an unexpected keyword argument 'tokenizer'``."""
+    import pyreft
+    import transformers
+
+    model, tokenizer = load(model_folder)
+    reft_model = pyreft.get_reft_model(model, loreft(model, [1]))
+    data_module = pyreft.make_last_position_supervised_data_module(
+        tokenizer, model, [PROMPT % s for s in SENTENCES[0::2]], SENTENCES[1::2])
+    before = {k: v.clone() for k, v in reft_model.interventions.state_dict().items()}
+    trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, tokenizer=tokenizer, args=arguments(tmp_path),
+                                            **data_module)
+    assert trainer.processing_class is tokenizer
+    trainer.train()
+    after = reft_model.interventions.state_dict()
+    assert any(not torch.equal(after[k], v) for k, v in before.items())
+    if "tokenizer" not in __import__("inspect").signature(transformers.Trainer.__init__).parameters:
+        with pytest.raises(TypeError, match="tokenizer"):  # HF Trainer itself is left as it is for everyone else
+            transformers.Trainer(model=model, tokenizer=tokenizer, args=arguments(tmp_path / "plain"))
+
+
+def alpaca_flow(model_folder, output_dir):
+    """pyreft's examples/alpaca/train_multigpu.py on a process group: position ``f1+l1`` at every layer, the
+    DDP-wrapped model handed to the trainer, checkpoints saved while training, the model saved on rank 0,
+    then ``ReftModel.load`` on every rank."""
+    import datasets
+    import pyreft
+    import transformers
+    from torch.nn.parallel import DistributedDataParallel
+
+    helpers.patch()
+    # bfloat16 as in the example, which is also what ReftModel.load builds LoReFT's weights in (pyreft's default)
+    model, tokenizer = load(model_folder, torch.bfloat16)
+    layers = list(range(model.config.num_hidden_layers))
+    layers += layers  # "+" in the position and no shared weights: one intervention per layer and side
+    reft_model = pyreft.get_reft_model(model, loreft(model, layers, dtype=torch.bfloat16))
+    reft_model_ddp = DistributedDataParallel(reft_model)
+    examples = [{"instruction": q, "input": "", "output": a} for q, a in zip(SENTENCES[0::2], SENTENCES[1::2])]
+    train_dataset = pyreft.ReftSupervisedDataset(
+        "alpaca", None, tokenizer, dataset=datasets.Dataset.from_list(examples * 2), seed=0,
+        input_field="input", instruction_field="instruction", output_field="output",
+        num_interventions=len(layers), position="f1+l1", share_weights=False)
+    collator = pyreft.ReftDataCollator(data_collator=transformers.DataCollatorForSeq2Seq(
+        tokenizer=tokenizer, model=model, label_pad_token_id=-100, padding="longest"))
+    args = arguments(output_dir, per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
+                     remove_unused_columns=False)
+    trainer = pyreft.ReftTrainerForCausalLM(model=reft_model_ddp, tokenizer=tokenizer, args=args,
+                                            train_dataset=train_dataset, data_collator=collator)
+    trainer.train()
+    if dist.get_rank() == 0:
+        trainer.save_state()
+        reft_model_ddp.module.save(save_directory=str(output_dir))
+    dist.barrier()  # the example has none: rank 1 would read before rank 0 has written
+    loaded = pyreft.ReftModel.load(str(output_dir), model)
+    return trainer, reft_model, loaded
+
+
+@pytest.mark.world_size(2)
+def test_alpaca_multigpu_example_saves_checkpoints_and_loads_on_every_rank(model_folder, tmp_path):
+    trainer, trained, loaded = alpaca_flow(model_folder, tmp_path / "out")
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses), losses  # labels survived the template
+    for step in (1, 2):  # ReftTrainer.save_model, as HF Trainer calls it for each checkpoint
+        files = os.listdir(tmp_path / "out" / f"checkpoint-{step}" / "intervenable_model")
+        assert "intkey_layer_0_comp_block_output_unit_pos_nunit_1#1.bin" in files, files
+    assert list(loaded.interventions) == list(trained.interventions)
+    for key, intervention in trained.interventions.items():
+        for name, value in intervention.state_dict().items():
+            torch.testing.assert_close(loaded.interventions[key].state_dict()[name], value, rtol=0, atol=1e-6,
+                                       msg=f"{key}.{name}")
