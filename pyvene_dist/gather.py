@@ -7,14 +7,24 @@ must enter; nothing stays gathered after the block. With ``modify=True`` what is
 kept: partitioned again on exit (from rank 0, which read the same file as every rank), and copied into
 the optimizer's fp32 master weights, which ZeRO (every stage) keeps apart from the model's and would
 otherwise write back over the loaded values at the next step.
+
+A rank that enters the gather alone (``if rank == 0: save_intervention(...)``, the pattern of pyreft's
+multi-GPU example) would wait forever for the others. Before gathering, each rank counts itself in on the
+process group's store; one that finds the others missing after ``ARRIVAL_TIMEOUT_S`` raises an error
+saying to call it on every rank, instead of hanging the job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 from torch import nn
+
+
+#: Seconds a rank waits for the others at a gather of partitioned interventions before refusing.
+ARRIVAL_TIMEOUT_S = 30.0
 
 
 def is_main_process() -> bool:
@@ -39,10 +49,39 @@ def gathered(model: nn.Module, *, modify: bool = False) -> Iterator[None]:
         return
     import deepspeed
 
+    _wait_for_every_rank()
     with deepspeed.zero.GatheredParameters(split, modifier_rank=0 if modify else None):
         yield
         if modify:
             _update_optimizer_masters(parameters)
+
+
+def _wait_for_every_rank() -> None:
+    """Return once every rank has reached its gather of the same number; raise if one stays away.
+
+    The count lives in the default process group's store (each rank numbers its own gathers there), so
+    ranks that save and load in step agree on each key without any collective.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+    number = store.add(f"pyvene_dist/gather/rank{rank}", 1)
+    key = f"pyvene_dist/gather/{number}"
+    arrived, deadline = store.add(key, 1), time.monotonic() + ARRIVAL_TIMEOUT_S
+    while arrived < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank {rank} waited {ARRIVAL_TIMEOUT_S:.0f} s for the other ranks to gather the interventions "
+                f"(ZeRO-3 partitions them), and {world - arrived} of {world} never came: call "
+                "save_intervention / load_intervention (and ReftModel.save) on every rank, not only on rank 0; "
+                "rank 0 alone writes the files"
+            )
+        time.sleep(0.01)
+        arrived = store.add(key, 0)
 
 
 def _update_optimizer_masters(parameters: list[nn.Parameter]) -> None:

@@ -169,3 +169,26 @@ def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(tmp_path, stage
     print(f"HF Trainer DeepSpeed {stage}: {record.losses}")
     assert record.world_size == 2
     assert_parity(train(case, "single"), record, case.tolerance, grads=False)
+
+
+@pytest.mark.world_size(2, timeout=120)
+def test_zero3_save_on_rank_0_alone_is_refused_in_seconds(tmp_path):
+    """pyreft's multi-GPU example saves under ``if rank == 0``; under ZeRO-3 that used to hang in the gather."""
+    import time
+
+    import deepspeed
+
+    from pyvene_dist import gather
+
+    helpers.patch()
+    gather.ARRIVAL_TIMEOUT_S = 3.0
+    case = ParityCase()
+    model = case.build()
+    deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
+                         config=DeepSpeed(3).config(case.batch_size))
+    if dist.get_rank() == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="call save_intervention / load_intervention .* on every rank"):
+            model.save_intervention(str(tmp_path / "saved"))
+        assert time.monotonic() - started < 60
+    dist.barrier()

@@ -39,13 +39,8 @@ LABELS = 3  # classes of workload c
 #: The tests skip them with this reason and the worlds do not run them (some hang); remove an entry
 #: once its fix is merged.
 NEEDS_FIX: dict[tuple[str, str | None, bool | None], str] = {
-    ("a-quickstart", None, None): "needs fix from issue 18 item 1 (branch i18-checks): tokenizer= on pyreft trainers",
-    ("b-alpaca", None, None): "needs fixes from issue 18 items 1, 2 and 5 (branch i18-checks): tokenizer=, a "
-                              "DDP-wrapped model at save_intervention, rank-0 save under ZeRO-3 (hangs)",
-    ("d-dpo-concatenated", None, True): "needs fix from issue 18 item 3 (branch i18-ckpt): checkpointing with a "
-                                        "base-model forward before the backward",
-    ("d-dpo-two-forwards", None, True): "needs fix from issue 18 item 3 (branch i18-ckpt): checkpointing with "
-                                        "several forwards before a backward",
+    ("b-alpaca", "zero3", None): "pyreft's example saves on rank 0 alone, which ZeRO-3 refuses (issue 18 item 5: "
+                                 "save on every rank; docs/limits.md)",
     ("f-trainer-options-bf16", "zero3", None): "open, not investigated: under ZeRO-3 bf16 the resuming "
                                                "trainer's deepspeed.initialize asserts in stage3 defragment",
 }
