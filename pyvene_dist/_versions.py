@@ -99,15 +99,3 @@ def check(fixes: Iterable, allow_unsupported: bool) -> None:
         f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set {ALLOW_ENV}=1."
     )
 
-
-def allowed_by_environment() -> bool:
-    """``PYVENE_DIST_ALLOW_UNSUPPORTED`` read as a switch; a value that is none of ``ALLOW_VALUES`` is refused."""
-    value = os.environ.get(ALLOW_ENV, "")
-    try:
-        return ALLOW_VALUES[value.strip().lower()]
-    except KeyError:
-        accepted = ", ".join(repr(v) for v in ALLOW_VALUES if v)
-        raise ValueError(
-            f"{ALLOW_ENV}={value!r} is not a switch value; use one of {accepted} (case does not matter), "
-            "or leave it unset or empty"
-        ) from None
