@@ -110,8 +110,15 @@ def _batch_and_length(base) -> tuple[int | None, int | None]:
     return tensor.shape[0], tensor.shape[1]
 
 
+def _leading_length(value) -> int | None:
+    """The length of ``value``'s first axis: a list's or tuple's length, a tensor's first size (None otherwise)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else None
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
 def _check_count(where: str, part, expected: int) -> None:
-    found = part.shape[0] if isinstance(part, torch.Tensor) else len(part) if isinstance(part, (list, tuple)) else None
+    found = _leading_length(part)
     if found is not None and found != expected:
         raise ValueError(f"{where} has {found} entr{'y' if found == 1 else 'ies'} but the model has {expected} "
                          "interventions: give one entry per intervention (None to leave one out)")
@@ -120,12 +127,7 @@ def _check_count(where: str, part, expected: int) -> None:
 def _check_rows(where: str, rows, batch: int | None) -> None:
     if batch is None:
         return
-    if isinstance(rows, torch.Tensor):
-        found = rows.shape[0] if rows.dim() else None
-    elif isinstance(rows, (list, tuple)):
-        found = len(rows)
-    else:
-        return
+    found = _leading_length(rows)
     if found is not None and found != batch:
         raise ValueError(f"{where} has {found} row{'s' * (found != 1)} but the batch has {batch} examples: "
                          "give one row per example")
