@@ -12,7 +12,7 @@ operators by host and device time.
 Providers: ``bare`` (the HF model alone), ``peft-lora`` (LoRA rank 8 on q and v at the same layers),
 ``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``);
 on a GPU also ``pyvene_dist-eager-rotation``, its training step with LoReFT's rotation computed eagerly
-(``patches.orthogonal``'s CUDA graphs off), which shows what the graphs save.
+(``fixes.orthogonal``'s CUDA graphs off), which shows what the graphs save.
 Measured: a training step (forward, backward, AdamW step) and a no-grad forward, each step timed on its
 own (the GPU drained before and after); p20/p50/p80, the median and the spread over ``--steps``, each
 round's median, and the ratio to the reference (LoRA's step, the bare forward) by round; one JSONL row each.
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
 
 
 def _without_rotation_graphs(step):
-    from pyvene_dist.patches import orthogonal
+    from pyvene_dist.fixes import orthogonal
 
     def eager_step():
         graphs, orthogonal.GRAPHS = orthogonal.GRAPHS, False

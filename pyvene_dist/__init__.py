@@ -22,7 +22,7 @@ def patch(
     cuda_graphs: bool | None = None,
     allow_unsupported: bool | None = None,
 ) -> None:
-    """Apply the fixes (``pyvene_dist.patches``). A second call changes nothing until ``unpatch()``.
+    """Apply the fixes (``pyvene_dist.fixes``). A second call changes nothing until ``unpatch()``.
 
     ``only``: these fixes and those they require; ``exclude``: every fix but these (an error if a fix
     applied requires one). ``cuda_graphs=False`` keeps LoReFT's rotation eager on CUDA (default: the
@@ -35,7 +35,7 @@ def patch(
     """
     from . import _versions
     from ._registry import REGISTRY, Options
-    from .patches import select
+    from .fixes import select
 
     if REGISTRY.active:
         return

@@ -20,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 #: Distribution -> releases pyvene_dist as a whole needs, whichever fixes it applies: the ones tested. torch:
-#: 2.11 on the H200s, 2.13 on CPU (and ``patches.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
+#: 2.11 on the H200s, 2.13 on CPU (and ``fixes.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
 #: transformers: 5.17 on the H200s, 5.24 on CPU (4.x's checkpointing is simulated in tests, never run).
 REQUIRED: dict[str, str] = {"transformers": ">=5.17,<5.25", "torch": ">=2.11,<2.14"}
 #: Distributions that may be missing (their fixes then have nothing to fix).
@@ -53,7 +53,7 @@ def mismatches(fixes: Iterable | None = None) -> list[str]:
     """One line per installed (or missing required) distribution outside what ``fixes`` (default: those
     ``patch()`` would apply) and ``REQUIRED`` declare."""
     if fixes is None:
-        from .patches import select
+        from .fixes import select
 
         fixes = select()
     problems = []

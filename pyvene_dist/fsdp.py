@@ -6,7 +6,7 @@
     fully_shard_model(reft_model)      # keyword arguments go to every fully_shard call (mesh, mp_policy, ...)
 
 The interventions stay whole and their gradients are averaged over the group (see
-``pyvene_dist.patches.fsdp``); call ``patch()`` first, or they are sharded with the root.
+``pyvene_dist.fixes.fsdp``); call ``patch()`` first, or they are sharded with the root.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ weight decay shrinks that diagonal from -1 to -0.99..., ``.int()`` turns it into
 vanish. Decay of an ``original`` also never means decay of the weight it parametrizes.
 
 ``param_groups`` is for hand-written loops; HF Trainer gets the same split through
-``pyvene_dist.patches.weight_decay``.
+``pyvene_dist.fixes.weight_decay``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 
 Each series is applied in order with ``patch -p1 --fuzz=0`` from DEST, first as a dry run; any fuzz,
 offset or reject stops with patch's own output. ``check`` compares the ``Mirrors:`` line of every
-diff's header (the git blob of ``pyvene_dist/patches/<concern>.py`` the diff was written against)
+diff's header (the git blob of ``pyvene_dist/fixes/<concern>.py`` the diff was written against)
 with that file now: a runtime fix that changed needs its diff brought along, then the line updated.
 """
 

@@ -17,7 +17,7 @@ def patch():
     PYVENE_DIST_TEST_UPSTREAM=<folder>: see ``patch_upstream``.
     """
     import pyvene_dist
-    from pyvene_dist import patches
+    from pyvene_dist import fixes
 
     upstream = os.environ.get(UPSTREAM_ENV)
     if upstream:
@@ -25,8 +25,8 @@ def patch():
     without = set(filter(None, os.environ.get("PYVENE_DIST_TEST_WITHOUT", "").split(",")))
     if "all" in without:
         return
-    known = patches.by_name()
-    pyvene_dist.patch(exclude=[name for name, fix in known.items() if patches.required_by([fix], known) & without])
+    known = fixes.by_name()
+    pyvene_dist.patch(exclude=[name for name, fix in known.items() if fixes.required_by([fix], known) & without])
 
 
 def patch_upstream(folder: Path) -> None:
@@ -41,16 +41,16 @@ def patch_upstream(folder: Path) -> None:
     import pyvene
 
     import pyvene_dist
-    from pyvene_dist import patches
+    from pyvene_dist import fixes
     from pyvene_dist._registry import REGISTRY
 
     for module in (pyvene, pyreft):
         if not Path(module.__file__).resolve().is_relative_to(folder.resolve()):
             raise RuntimeError(f"{UPSTREAM_ENV}={folder}, but {module.__name__} is imported from {module.__file__}")
-    not_carried = sorted({fix.name for fix in patches.fixes() if fix.upstream} - patches.upstreamed())
+    not_carried = sorted({fix.name for fix in fixes.fixes() if fix.upstream} - fixes.upstreamed())
     if not_carried:
         raise RuntimeError(f"the copies in {folder} do not report carrying {not_carried} in their FIXES")
-    pyvene_dist.patch(only=[fix.name for fix in patches.fixes() if not fix.upstream])
+    pyvene_dist.patch(only=[fix.name for fix in fixes.fixes() if not fix.upstream])
     touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]

@@ -75,7 +75,7 @@ def expected_logits(model, calls):
 
 
 def two_replicas(model, *, independent):
-    from pyvene_dist.patches.data_parallel import _make_independent
+    from pyvene_dist.fixes.data_parallel import _make_independent
 
     replicas = replicate_like_torch(model, 2)
     if independent:
@@ -151,7 +151,7 @@ def test_raw_data_parallel_matches_one_gpu(patched, case):
     forward_call(batch=6, location_format="broadcast-int"),
 ], ids=["lists", "tensor-uneven", "with-none", "one-example", "broadcast"])
 def test_inference_under_data_parallel_equals_one_gpu(patched, call):
-    from pyvene_dist.patches.data_parallel import _to_device
+    from pyvene_dist.fixes.data_parallel import _to_device
 
     model = reft_model(tiny_llama(), layers=tuple(i % 2 for i in range(call.interventions))).to("cuda:0").eval()
     arguments = {k: v for k, v in call.arguments.items() if k != "labels"}

@@ -31,7 +31,7 @@ def test_zero_matches_one_process(strategy):
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3-offload"])
 def test_zero_in_bf16_matches_one_process(strategy):
     """DeepSpeed's bf16 engine used to fail at the first forward: ``"orgqr_cpu" not implemented for
-    'BFloat16'`` (the rotation cast to bf16 has no Householder kernel; patches.parametrizations)."""
+    'BFloat16'`` (the rotation cast to bf16 has no Householder kernel; fixes.parametrizations)."""
     helpers.patch()
     case = ParityCase(dtype="bfloat16")
     candidate = train(case, strategy)

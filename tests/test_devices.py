@@ -33,7 +33,7 @@ def test_a_pyvene_with_other_signatures_is_refused_at_patch_time(monkeypatch):
     from pyvene.models import modeling_utils
 
     from pyvene_dist._registry import Registry
-    from pyvene_dist.patches import devices
+    from pyvene_dist.fixes import devices
 
     def gather_neurons(tensor_input, unit_locations_as_list, unit, device=None):
         raise AssertionError("not called")

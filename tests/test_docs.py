@@ -133,8 +133,8 @@ RUN_BY: dict[str, RunBy] = {
     "python scripts/upstream_patches.py apply /tmp/up": RunBy(UPSTREAM_SERIES, ('"apply"',)),
     'PYTHONPATH=/tmp/up python -c "import pyvene; print(sorted(pyvene.FIXES))"':
         RunBy(UPSTREAM_SERIES, ('print(sorted({package}.FIXES))', '"PYTHONPATH"')),
-    "for diff in $(grep -v '^#' /path/to/pyvene_dist/patches/pyvene/series); do patch -p1 --fuzz=0 < "
-    "/path/to/pyvene_dist/patches/pyvene/$diff || break; done":
+    "for diff in $(grep -v '^#' /path/to/pyvene_dist/fixes/pyvene/series); do patch -p1 --fuzz=0 < "
+    "/path/to/pyvene_dist/fixes/pyvene/$diff || break; done":
         RunBy("scripts/upstream_patches.py", ('"patch", "-p1", "--fuzz=0"', "series"),
               note="the script applies each diff of the series this way; tests/test_upstream_patches.py runs it"),
     ".venv/bin/python -m pytest tests/test_upstream_patches.py": RunBy("tests/test_upstream_patches.py", note="CI's "
@@ -450,7 +450,7 @@ def test_every_page_is_linked_from_the_index():
 
 def test_the_patch_page_names_every_fix_and_what_it_wraps():
     """docs/patches.md has a row per fix of ``patch()``, naming every symbol the fix's record lists."""
-    from pyvene_dist.patches import fixes
+    from pyvene_dist.fixes import fixes
 
     rows: dict[str, str] = {}
     for line in (ROOT / "docs" / "patches.md").read_text().splitlines():
@@ -466,7 +466,7 @@ def test_the_patch_page_names_every_fix_and_what_it_wraps():
 def test_the_upstreaming_tables_follow_the_records():
     """docs/upstreaming.md: the runtime-only table has a row per fix without an upstream diff, and each
     diff's "depends on" names every fix its record requires."""
-    from pyvene_dist.patches import fixes
+    from pyvene_dist.fixes import fixes
 
     note = (ROOT / "docs" / "upstreaming.md").read_text()
     runtime_table = note.split("### What stays runtime-only")[1].split("\n#")[0]

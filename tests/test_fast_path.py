@@ -1,8 +1,8 @@
-"""The fast intervention path (patches.devices, .locations, .parametrizations, .trainer item 6) gives
+"""The fast intervention path (fixes.devices, .locations, .parametrizations, .trainer item 6) gives
 pyvene's results, and no longer waits for the GPU.
 
 Identity is checked against the unpatched code on the same model object: outputs bit for bit,
-gradients to fp32 rounding (one Householder backward instead of three, see patches.parametrizations).
+gradients to fp32 rounding (one Householder backward instead of three, see fixes.parametrizations).
 """
 
 import contextlib

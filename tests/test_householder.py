@@ -1,4 +1,4 @@
-"""patches.householder: torch's Householder product with a closed-form backward.
+"""fixes.householder: torch's Householder product with a closed-form backward.
 
 The references are finite differences (``gradcheck``) and torch's own backward, run unpatched on the
 same inputs; the forward must stay torch's, bit for bit.

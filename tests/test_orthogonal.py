@@ -1,4 +1,4 @@
-"""pyvene_dist.patches.orthogonal: LoReFT's rotation replayed from CUDA graphs (its half-precision fix is
+"""pyvene_dist.fixes.orthogonal: LoReFT's rotation replayed from CUDA graphs (its half-precision fix is
 tested with DeepSpeed's bf16 engine in test_deepspeed.py).
 
 On CPU: the two functions the graphs capture equal torch's forward (bit for bit) and its gradient (to
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pyvene_dist
-from pyvene_dist.patches import orthogonal as graphed
+from pyvene_dist.fixes import orthogonal as graphed
 
 
 def _rotation(device="cpu", hidden=64, rank=4, seed=0):

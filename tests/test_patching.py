@@ -48,7 +48,7 @@ def test_patch_order(steps):
 
 def test_every_site_of_every_fix_is_wrapped_then_restored():
     out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
-    from pyvene_dist.patches import select
+    from pyvene_dist.fixes import select
 
     declared = sorted(site.path for fix in select() for site in fix.sites)
     assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("wrapped ")) == declared
@@ -75,7 +75,7 @@ def test_plugin_imports_only_pytest():
 def test_version_guard_names_installed_and_supported(monkeypatch):
     import pyvene_dist
     from pyvene_dist import _versions
-    from pyvene_dist.patches import parameters
+    from pyvene_dist.fixes import parameters
 
     monkeypatch.setitem(parameters.FIX.checked, "pyvene", "==9.9.9")
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
@@ -160,7 +160,7 @@ def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
     from pyvene_dist._registry import Fix
-    from pyvene_dist.patches import fixes
+    from pyvene_dist.fixes import fixes
 
     original = vars(BaseModel)["named_parameters"]
     last, fix_patch = fixes()[-1].name, Fix.patch
@@ -230,7 +230,7 @@ def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_
 
     import pyvene_dist
     from pyvene_dist import _versions
-    from pyvene_dist.patches import fixes
+    from pyvene_dist.fixes import fixes
 
     installed = _versions.installed_version
     monkeypatch.setattr(_versions, "installed_version", lambda d: "0.2.0" if d == "pyvene" else installed(d))
@@ -270,7 +270,7 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
         "import pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
         "from pyvene_dist._registry import REGISTRY, FixError\n"
-        "from pyvene_dist.patches import trainer\n"
+        "from pyvene_dist.fixes import trainer\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
         "del trainer._wrap_evaluate\n"

@@ -74,7 +74,7 @@ def upstream_env(copies: Path) -> dict:
 
 
 def test_every_fix_has_a_diff_or_a_reason():
-    from pyvene_dist.patches import fixes
+    from pyvene_dist.fixes import fixes
 
     upstream_patches = script()
     note = (ROOT / "docs" / "upstreaming.md").read_text()
@@ -97,9 +97,9 @@ def test_each_diff_mirrors_its_runtime_concern_as_it_is_now():
 
 def test_patched_copies_are_imported_and_pass_the_version_guard(copies):
     code = (
-        "import pyvene, pyreft; from pyvene_dist import _versions, patches;"
+        "import pyvene, pyreft; from pyvene_dist import _versions, fixes;"
         "print(pyvene.__file__); print(pyreft.__file__); print(_versions.mismatches());"
-        "print(sorted(patches.upstreamed()) == sorted(fix.name for fix in patches.fixes() if fix.upstream))"
+        "print(sorted(fixes.upstreamed()) == sorted(fix.name for fix in fixes.fixes() if fix.upstream))"
     )
     result = subprocess.run([sys.executable, "-c", code], env=upstream_env(copies), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -134,24 +134,24 @@ def test_patch_skips_a_concern_upstream_carries(monkeypatch):
 
 
 def test_upstreamed_needs_every_package_and_counts_a_missing_optional_one(monkeypatch):
-    from pyvene_dist import patches
+    from pyvene_dist import fixes
 
     carried = {"pyvene": frozenset({"deepspeed", "hooks", "checkpointing"}), "pyreft": frozenset()}
-    monkeypatch.setattr(patches, "carried_fixes", lambda package: carried[package])
-    assert patches.upstreamed() == {"hooks", "checkpointing"}
+    monkeypatch.setattr(fixes, "carried_fixes", lambda package: carried[package])
+    assert fixes.upstreamed() == {"hooks", "checkpointing"}
     carried["pyreft"] = None  # not installed: nothing of pyreft to fix
-    assert patches.upstreamed() == {"hooks", "checkpointing", "deepspeed", "trainer", "weight_decay"}
+    assert fixes.upstreamed() == {"hooks", "checkpointing", "deepspeed", "trainer", "weight_decay"}
 
 
 def test_fixes_are_read_without_importing_the_package(tmp_path, monkeypatch):
-    from pyvene_dist import patches
+    from pyvene_dist import fixes
 
     package = tmp_path / "fixed_package_for_pyvene_dist"
     package.mkdir()
     (package / "__init__.py").write_text('raise ImportError("imported")\nFIXES = frozenset({\n    "hooks",\n})\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert patches.carried_fixes(package.name) == {"hooks"}
-    assert patches.carried_fixes("no_such_package_for_pyvene_dist") is None
+    assert fixes.carried_fixes(package.name) == {"hooks"}
+    assert fixes.carried_fixes("no_such_package_for_pyvene_dist") is None
 
 
 def test_patched_sources_pass_the_cpu_suite(copies):
@@ -166,9 +166,9 @@ def test_patched_sources_pass_the_cpu_suite(copies):
 def test_series_applies_with_no_fuzz_offset_or_reject(copies, package):
     fixes = subprocess.run([sys.executable, "-c", f"import {package}; print(sorted({package}.FIXES))"],
                            env=upstream_env(copies), capture_output=True, text=True)
-    from pyvene_dist import patches
+    from pyvene_dist import fixes
 
-    expected = sorted(fix.name for fix in patches.fixes() if package in fix.upstream)
+    expected = sorted(fix.name for fix in fixes.fixes() if package in fix.upstream)
     assert fixes.stdout.splitlines()[-1] == str(expected), fixes.stderr
 
 

@@ -24,7 +24,7 @@ MISSING = object()
 
 def sites():
     """(path, owner, attribute, kind) of every site of every fix ``patch()`` applies, whose module is imported."""
-    from pyvene_dist.patches import select
+    from pyvene_dist.fixes import select
 
     for fix in select():
         for site in fix.sites:

@@ -1,7 +1,7 @@
 """``nn.DataParallel`` over an ``IntervenableModel``: split by batch, independent replicas, right devices.
 
 What users see today with two GPUs and no torchrun (HF Trainer then wraps ``nn.DataParallel``):
-``KeyError: Parameter containing: ...`` in ``replicate`` (fixed by ``patches.parameters``); past that,
+``KeyError: Parameter containing: ...`` in ``replicate`` (fixed by ``fixes.parameters``); past that,
 locations split on the intervention axis or copied whole to every replica; a hook registered by one
 replica's thread firing in every replica (``Expected all tensors to be on the same device, but got
 index is on cuda:1, different from other tensors on cuda:0``); ``StopIteration`` from ``get_device``
@@ -9,7 +9,7 @@ on a replica; and ``lazy wrapper should be called at most once`` from LoReFT's o
 parametrization, first called in DataParallel's threads.
 
 - ``DataParallel.scatter``: for an ``IntervenableModel``, every argument is split along its batch axis
-  into the chunks ``torch.chunk`` gives the input (``pyvene_dist.scatter``), and moved to its replica's
+  into the chunks ``torch.chunk`` gives the input (``pyvene_dist.fixes._scatter``), and moved to its replica's
   device. Other models go through the original untouched.
 - ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
   pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
@@ -33,7 +33,7 @@ import inspect
 import torch
 
 from .._registry import Fix, Site
-from ..scatter import batch_size_of, chunk_sizes, split_forward_arguments
+from ._scatter import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(
     __name__,

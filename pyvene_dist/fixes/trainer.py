@@ -28,7 +28,7 @@
    pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
 
 6. ``compute_loss`` turns the collated ``intervention_locations``, already on the GPU, into lists with
-   ``.permute(1, 0, 2).tolist()``: a device-to-host copy that stalls every step (see ``patches.locations``).
+   ``.permute(1, 0, 2).tolist()``: a device-to-host copy that stalls every step (see ``fixes.locations``).
    ``compute_loss`` now sees them through ``DeviceLocations``, which answers that call with the permuted
    tensor itself; pyvene_dist's gather and scatter index with it on the device. The loss code is pyreft's.
 
@@ -178,7 +178,7 @@ def _evaluate_sequence_classification(trainer, eval_dataset=None, ignore_keys=No
     with torch.no_grad():
         for inputs in dataloader:
             inputs = trainer._prepare_inputs(inputs)
-            locations = inputs["intervention_locations"].permute(1, 0, 2)  # a tensor: see patches.locations
+            locations = inputs["intervention_locations"].permute(1, 0, 2)  # a tensor: see fixes.locations
             _, outputs = model(
                 {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
                 unit_locations={"sources->base": (None, locations)},

@@ -2,8 +2,8 @@
 
 The rest of what DeepSpeed needs lives elsewhere: ZeRO-3 partitions what ``module.parameters()``
 yields, and pyvene 0.1.8's override hid the frozen base (0 of 147 base parameters partitioned; fixed by
-``patches.parameters``); saving and loading gather partitioned interventions and update ZeRO's fp32
-master weights (``pyvene_dist.gather``, ``patches.checkpoints``). Interventions that read a submodule's
+``fixes.parameters``); saving and loading gather partitioned interventions and update ZeRO's fp32
+master weights (``pyvene_dist.gather``, ``fixes.checkpoints``). Interventions that read a submodule's
 weight after that submodule's forward returned (NoReFT, DiReFT; LoReFT through its parametrization)
 train correctly under ZeRO-3 with every parameter partitioned on deepspeed 0.19.8, and their
 parameters are released after each forward (``tests/test_deepspeed.py``).

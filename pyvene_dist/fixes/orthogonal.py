@@ -18,7 +18,7 @@ per application, most of what a ReFT training step issues beyond a LoRA step (do
 Replayed from a graph, each direction is one launch. ``rotation(orthogonal, X)`` returns what
 ``orthogonal(X)`` returns from two graphs captured for this module and this storage of ``X``: the
 forward (torch's own kernels, op for op, so the same values) and the backward (the closed form of
-``patches.householder``, chained through ``tau``, the signs and ``base``; it recomputes what it needs
+``fixes.householder``, chained through ``tau``, the signs and ``base``; it recomputes what it needs
 from ``X``, so gradients equal eager ones to rounding). Under autocast (HF Trainer's ``bf16=True``) the
 forward is captured under the caller's autocast, so it runs the eager kernels, bf16 product included, and
 the backward takes that product's gradient in bf16 as autograd does, the rest in float32.

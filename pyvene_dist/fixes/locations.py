@@ -12,9 +12,9 @@ The fix, for stateless models in pyvene's parallel mode (ReFT's):
 - ``BaseModel._input_validation``, which pyvene calls right after broadcasting the locations (in
   ``forward`` and ``generate``): once they are checked (below), each intervention's nested lists become
   one int64 tensor on the model's device, copied from pinned memory without blocking; tensors (pyreft's)
-  pass through. ``patches.devices`` then indexes with them as they are.
+  pass through. ``fixes.devices`` then indexes with them as they are.
   Ragged lists (which pyvene would reject later) are left for pyvene to report.
-- pyreft's trainers pass their collated tensor through unchanged (``patches.trainer``, item 6).
+- pyreft's trainers pass their collated tensor through unchanged (``fixes.trainer``, item 6).
 
 Results are bit-identical: the same indices reach the same ``torch.gather`` and index writes.
 

@@ -18,7 +18,7 @@ on a dispatched base model goes through accelerate's own ``to`` (its warning, or
 offloaded models) instead of recursing past it, and leaves the interventions where they are. Source
 activations move to the device of the representation they intervene on. The wrapper reports the base
 model's ``hf_device_map``, ``is_parallelizable`` and ``model_parallel``, so HF Trainer sees a model
-parallel model and does not wrap it in ``nn.DataParallel`` (``patches.wrapper_attributes``).
+parallel model and does not wrap it in ``nn.DataParallel`` (``fixes.wrapper_attributes``).
 
 Checked with accelerate 1.15: CPU with CPU and disk offload, and 2 x H200 split by layers.
 """

@@ -14,7 +14,7 @@ interventions that is eight stalls per forward, each one exposing all the Python
 The fix keeps pyvene's arithmetic (the same ``torch.gather`` and in-place index writes, so outputs are
 bit-identical) but takes the indices as they come: a tensor is moved to the indexed tensor's device
 (nothing happens when it is already there: pyreft's collated ``intervention_locations``, or the tensors
-``patches.locations`` builds once per forward), a list is turned into one, and the batch index is made
+``fixes.locations`` builds once per forward), a list is turned into one, and the batch index is made
 on the device. ``device`` is ignored: the indexed tensor's device is the only right one.
 
 ``intervenable_base`` star-imports both names from ``modeling_utils``, so both modules are wrapped.

@@ -3,7 +3,7 @@
 Today HF Trainer decays *nothing* in a pyvene model: ``get_decay_parameter_names`` builds names like
 ``interventions.<key>.learned_source.weight`` while pyvene's ``named_parameters`` yielded
 ``<key>.learned_source.weight``, so no name matched and ``weight_decay`` silently did nothing. Once
-names are standard (``patches.parameters``), LoReFT's rotation ``...rotate_layer.parametrizations.
+names are standard (``fixes.parameters``), LoReFT's rotation ``...rotate_layer.parametrizations.
 weight.original`` would be decayed, and one AdamW step makes the rotation exactly zero (see
 ``pyvene_dist.optim``). The fix drops parametrization originals from the decay list of any model that
 holds a pyvene ``IntervenableModel``; other models keep HF Trainer's behaviour untouched.
