@@ -164,12 +164,12 @@ def test_patched_sources_pass_the_cpu_suite(copies):
 
 @pytest.mark.parametrize("package", ["pyvene", "pyreft"])
 def test_series_applies_with_no_fuzz_offset_or_reject(copies, package):
-    fixes = subprocess.run([sys.executable, "-c", f"import {package}; print(sorted({package}.FIXES))"],
-                           env=upstream_env(copies), capture_output=True, text=True)
+    carried = subprocess.run([sys.executable, "-c", f"import {package}; print(sorted({package}.FIXES))"],
+                             env=upstream_env(copies), capture_output=True, text=True)
     from pyvene_dist import fixes
 
     expected = sorted(fix.name for fix in fixes.fixes() if package in fix.upstream)
-    assert fixes.stdout.splitlines()[-1] == str(expected), fixes.stderr
+    assert carried.stdout.splitlines()[-1] == str(expected), carried.stderr
 
 
 def test_the_note_lists_each_diff_with_its_size():
