@@ -205,6 +205,33 @@ class Wrap:
         return f"{describe(self.owner)}.{self.attribute}"
 
 
+class _BoundMethodWrapper(wrapt.BoundFunctionWrapper):
+    """A wrapped method bound to an instance, whose ``__func__`` calls through the wrapper.
+
+    wrapt forwards ``__func__`` to the bound original, so code that rebinds a model's method from its
+    function bypasses every wrap. accelerate does exactly that for native mixed precision (HF Trainer's
+    ``--bf16``): ``model.forward = MethodType(autocast(model.forward.__func__), model)``. Under it the
+    checkpointing fix never saw pyvene's forward, and a checkpointed layer's recomputation ran without
+    the forward's interventions (torch's ``CheckpointError``, or wrong gradients).
+    """
+
+    @property
+    def __func__(self):
+        parent, original = self._self_parent, self.__wrapped__.__func__
+        if self._self_binding != "function":  # a classmethod's: nothing rebinds those
+            return original
+
+        @functools.wraps(original)
+        def through_the_wrapper(instance, *args, **kwargs):
+            return parent.__get__(instance, type(instance))(*args, **kwargs)
+
+        return through_the_wrapper
+
+
+class _MethodWrapper(wrapt.FunctionWrapper):
+    __bound_function_wrapper__ = _BoundMethodWrapper
+
+
 class Registry:
     def __init__(self) -> None:
         self._sites: list[Wrap] = []
@@ -233,7 +260,7 @@ class Registry:
                 f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
                 "that defines it. The installed version differs from the one this patch was written for."
             )
-        proxy = wrapt.FunctionWrapper(original, wrapper)
+        proxy = _MethodWrapper(original, wrapper)
         setattr(owner, attribute, proxy)
         self._sites.append(Wrap(owner, attribute, original, proxy))
 

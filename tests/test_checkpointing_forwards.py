@@ -153,3 +153,30 @@ def test_checkpointing_without_a_checkpoint_function_is_refused(patched):
     with pytest.raises(RuntimeError, match="OldFormatCheckpointing has gradient_checkpointing on but no "
                                            "_gradient_checkpointing_func"):
         _policy(model, *_batch(1, "cpu"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_equals_plain_under_accelerate_mixed_precision(patched, mode):
+    """HF Trainer's ``--bf16`` goes through accelerate's native mixed precision, which rebinds the model's
+    forward from its function: ``model.forward = MethodType(autocast(model.forward.__func__), model)``.
+    The interventions must still follow each recomputation (without the fix: reentrant checkpointing gives
+    the interventions no gradient, non-reentrant raises torch's CheckpointError)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    def prepared(checkpointing):
+        AcceleratorState._reset_state(True)
+        model = ParityCase(component="mlp_output", checkpointing=checkpointing).build()
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+        assert "forward" in vars(model), "accelerate no longer rebinds forward: this test tests nothing"
+        model.train()
+        _policy(model, *_batch(1, "cpu")).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    try:
+        reference, checkpointed = prepared(None), prepared(mode)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert reference and reference.keys() == checkpointed.keys()
+    for name, expected in reference.items():
+        torch.testing.assert_close(checkpointed[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
