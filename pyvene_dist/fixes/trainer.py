@@ -43,7 +43,8 @@
    'gradient_checkpointing_enable'``. pyreft's trainers (``ReftTrainer.train``, added) enable it on the
    pyvene model inside a wrapper that has no enabler of its own, with the arguments' checkpointing
    keywords, and switch the arguments' flag off while ``Trainer.train`` runs (then back on), so that HF
-   does not ask the wrapper.
+   does not ask the wrapper. Both names of the flag are switched (``activation_checkpointing``, which
+   transformers 5.24 reads, and its alias ``gradient_checkpointing``); checked on 5.24 only.
 
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
