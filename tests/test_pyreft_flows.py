@@ -98,10 +98,10 @@ def test_readme_quickstart_passes_tokenizer_to_the_trainer(patched, model_folder
             transformers.Trainer(model=model, tokenizer=tokenizer, args=arguments(tmp_path / "plain"))
 
 
-def alpaca_flow(model_folder, output_dir):
+def alpaca_flow(model_folder, output_dir, **arguments_overrides):
     """pyreft's examples/alpaca/train_multigpu.py on a process group: position ``f1+l1`` at every layer, the
     DDP-wrapped model handed to the trainer, checkpoints saved while training, the model saved on rank 0,
-    then ``ReftModel.load`` on every rank."""
+    then ``ReftModel.load`` on every rank. ``arguments_overrides`` are the example's other flags."""
     import datasets
     import pyreft
     import transformers
@@ -122,7 +122,7 @@ def alpaca_flow(model_folder, output_dir):
     collator = pyreft.ReftDataCollator(data_collator=transformers.DataCollatorForSeq2Seq(
         tokenizer=tokenizer, model=model, label_pad_token_id=-100, padding="longest"))
     args = arguments(output_dir, per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
-                     remove_unused_columns=False)
+                     remove_unused_columns=False, **arguments_overrides)
     trainer = pyreft.ReftTrainerForCausalLM(model=reft_model_ddp, tokenizer=tokenizer, args=args,
                                             train_dataset=train_dataset, data_collator=collator)
     trainer.train()
@@ -147,3 +147,21 @@ def test_alpaca_multigpu_example_saves_checkpoints_and_loads_on_every_rank(model
         for name, value in intervention.state_dict().items():
             torch.testing.assert_close(loaded.interventions[key].state_dict()[name], value, rtol=0, atol=1e-6,
                                        msg=f"{key}.{name}")
+
+
+@pytest.mark.world_size(2)
+def test_alpaca_multigpu_example_trains_with_gradient_checkpointing(model_folder, tmp_path):
+    """The example with ``--gradient_checkpointing``: HF Trainer enabled it on the DDP wrapper it was handed,
+    ``AttributeError: 'DistributedDataParallel' object has no attribute 'gradient_checkpointing_enable'``.
+    Now the base model inside checkpoints, and training matches the same run without checkpointing."""
+    plain, plain_model, _ = alpaca_flow(model_folder, tmp_path / "plain")
+    trainer, trained, loaded = alpaca_flow(model_folder, tmp_path / "checkpointing", gradient_checkpointing=True)
+    assert trained.model.is_gradient_checkpointing and not plain_model.model.is_gradient_checkpointing
+    assert trainer.args.gradient_checkpointing  # switched off only while Trainer.train ran
+    losses = [[entry["loss"] for entry in t.state.log_history if "loss" in entry] for t in (plain, trainer)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for key, intervention in trained.interventions.items():
+        for name, value in intervention.state_dict().items():
+            torch.testing.assert_close(value, plain_model.interventions[key].state_dict()[name], msg=f"{key}.{name}")
+            torch.testing.assert_close(loaded.interventions[key].state_dict()[name], value, rtol=0, atol=1e-6,
+                                       msg=f"{key}.{name} as loaded")

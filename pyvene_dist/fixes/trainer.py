@@ -37,6 +37,15 @@
    unexpected keyword argument 'tokenizer'``. pyreft's trainers (``ReftTrainer`` and its subclasses, not
    HF Trainer for anyone else) take ``tokenizer=`` as ``processing_class`` where ``Trainer`` lacks it.
 
+8. pyreft's ``examples/alpaca/train_multigpu.py`` wraps the ReFT model in DDP itself and hands the wrapper
+   to ``ReftTrainerForCausalLM``. With ``--gradient_checkpointing``, ``Trainer.train`` enables it on the
+   model it holds, the wrapper: ``AttributeError: 'DistributedDataParallel' object has no attribute
+   'gradient_checkpointing_enable'``. pyreft's trainers (``ReftTrainer.train``, added) enable it on the
+   pyvene model inside a wrapper that has no enabler of its own, with the arguments' checkpointing
+   keywords, and switch the arguments' flag off while ``Trainer.train`` runs (then back on), so that HF
+   does not ask the wrapper. Both names of the flag are switched (``activation_checkpointing``, which
+   transformers 5.24 reads, and its alias ``gradient_checkpointing``); checked on 5.24 only.
+
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -49,7 +58,7 @@ import inspect
 import torch
 
 from .._registry import Fix, Site
-from ._models import holds_intervenable_model
+from ._models import holds_intervenable_model, unwrap_intervenable_model
 
 PYREFT = "pyreft.reft_trainer"
 TRANSFORMERS = "transformers.trainer"
@@ -65,15 +74,22 @@ FIX = Fix(
         Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace",
              fingerprint="a59f16e74668a8d4"),
         Site(f"{PYREFT}:ReftTrainer.__init__", "_reft_trainer_init", kind="add"),
+        Site(f"{PYREFT}:ReftTrainer.train", "_reft_trainer_train", kind="add"),
         Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
         Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
     ),
-    requires=("devices",),  # pyreft's locations are passed on as tensors, which the devices fix indexes with
+    # devices: pyreft's locations are passed on as tensors, which that fix indexes with;
+    # wrapper_attributes: the checkpointing enablers of the pyvene model inside a wrapper.
+    requires=("devices", "wrapper_attributes"),
     upstream=("pyreft",),
     checked={"pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
 )
 #: The batch keys pyreft's trainers read in ``compute_loss``.
 PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
+#: ``Trainer.train`` calls the first of these the model has (transformers 5.2x; before, only the second).
+CHECKPOINTING_ENABLERS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+#: The ``TrainingArguments`` flag that makes ``Trainer.train`` call it, and its deprecated alias (kept equal).
+CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):
@@ -129,6 +145,37 @@ def _reft_trainer_init(self, *args, **kwargs):
             raise TypeError(f"{type(self).__name__}: pass tokenizer= or processing_class=, not both")
         kwargs["processing_class"] = kwargs.pop("tokenizer")
     super(ReftTrainer, self).__init__(*args, **kwargs)
+
+
+def _reft_trainer_train(self, *args, **kwargs):
+    """``Trainer.train``, with gradient checkpointing enabled on the pyvene model inside a wrapper handed to
+    the trainer (pyreft's multi-GPU example hands it a DDP wrapper), which HF would ask instead."""
+    from pyreft.reft_trainer import ReftTrainer
+
+    train = super(ReftTrainer, self).train
+    flags = [name for name in CHECKPOINTING_FLAGS if getattr(self.args, name, None)]
+    if not flags or any(hasattr(self.model, name) for name in CHECKPOINTING_ENABLERS) \
+            or not holds_intervenable_model(self.model):
+        return train(*args, **kwargs)
+    _enable_checkpointing(unwrap_intervenable_model(self.model), self.args)
+    for name in flags:
+        setattr(self.args, name, False)
+    try:
+        return train(*args, **kwargs)
+    finally:
+        for name in flags:
+            setattr(self.args, name, True)
+
+
+def _enable_checkpointing(model, arguments) -> None:
+    """What ``Trainer.train`` does with the checkpointing arguments, done to ``model``: keywords for
+    ``torch.utils.checkpoint``, and ``every_n_layers`` and ``offload`` for the enabler itself."""
+    options = dict(getattr(arguments, "activation_checkpointing_kwargs", None)
+                   or getattr(arguments, "gradient_checkpointing_kwargs", None) or {})
+    layout = {key: options.pop(key) for key in ("every_n_layers", "offload") if key in options}
+    newer, older = CHECKPOINTING_ENABLERS
+    enable = getattr(model, newer) if hasattr(model, newer) else getattr(model, older)  # as Trainer.train chooses
+    enable(options or None, **layout)
 
 
 def _trainer_takes_tokenizer() -> bool:

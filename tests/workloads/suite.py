@@ -39,8 +39,6 @@ LABELS = 3  # classes of workload c
 #: The tests skip them with this reason and the worlds do not run them (some hang); remove an entry
 #: once its fix is merged.
 NEEDS_FIX: dict[tuple[str, str | None, bool | None], str] = {
-    ("b-alpaca", None, True): "open: HF Trainer calls gradient_checkpointing_enable on the DDP wrapper the example "
-                              "hands it (AttributeError), as for any model wrapped by hand; docs/limits.md",
     ("b-alpaca", "zero3", None): "pyreft's example saves on rank 0 alone, which ZeRO-3 refuses (issue 18 item 5: "
                                  "save on every rank; docs/limits.md)",
     ("f-trainer-options-bf16", "zero3", None): "open, not investigated: under ZeRO-3 bf16 the resuming "
