@@ -14,6 +14,16 @@ pip install --no-deps pyreft==0.1.0
 # DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute).
 pip install setuptools wheel
 pip install --no-build-isolation "deepspeed==0.19.8"
+# Build DeepSpeed's shared-memory communication op now: every DeepSpeed process on CPU loads it when it joins
+# the process group, and the first ones would otherwise build it there (minutes on a loaded machine), each
+# waiting on the others' lock, inside the tests' time limits.
+if .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator; \
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
+        || echo "setup: DeepSpeed's shm comm op did not build; DeepSpeed on CPU will build it at first use" >&2
+else
+    echo "setup: deepspeed is not installed; its shm comm op is not built" >&2
+fi
 # libaio for DeepSpeed's NVMe offload, unpacked into .libaio/ (no root needed); without it those tests skip.
 bash scripts/fetch_libaio.sh || echo "setup: libaio not fetched; the NVMe offload tests will skip" >&2
 .venv/bin/python -c "import torch, pyvene, pyreft, deepspeed, pyvene_dist; print('setup ok: torch', torch.__version__)"

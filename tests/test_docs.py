@@ -70,6 +70,9 @@ TRAIN_REFT = "tests/test_launchers.py::test_train_reft_under_a_launcher_matches_
 _REFT_ARGS = "--model path/to/model --data train.json --output_dir out"
 _TWO_NODES = ("torchrun --nnodes 2 --nproc_per_node 1 --node_rank {} --rdzv_backend c10d --rdzv_endpoint localhost:29500 "
               "docs/examples/train_reft.py " + _REFT_ARGS)
+_ZERO3_ARGS = _REFT_ARGS + " --deepspeed docs/configs/deepspeed-zero3.json"
+_DEEPSPEED_TWO_NODES = ("deepspeed --hostfile hostfile --no_ssh --node_rank {} --master_addr 127.0.0.1 "
+                        "--master_port 29500 docs/examples/train_reft.py " + _ZERO3_ARGS)
 TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
     f"python docs/examples/train_reft.py {_REFT_ARGS}": RunBy("tests/test_launchers.py::"
                                                              "test_one_process_logs_saves_and_answers", ("[[TRAIN]]",)),
@@ -80,6 +83,11 @@ TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
     **{f"accelerate launch --config_file docs/configs/accelerate-{name}.yaml docs/examples/train_reft.py {_REFT_ARGS}":
        RunBy(TRAIN_REFT, (f'_accelerate("accelerate-{name}.yaml")', "accelerate.commands.launch"))
        for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload")},
+    f"deepspeed --num_gpus 2 docs/examples/train_reft.py {_ZERO3_ARGS}":
+        RunBy(TRAIN_REFT, ('"deepspeed": _deepspeed', '"deepspeed.launcher.runner", "--num_gpus", "2"', "*ZERO3")),
+    **{_DEEPSPEED_TWO_NODES.format(rank): RunBy(TRAIN_REFT, (
+        '"deepspeed-2-nodes": _deepspeed_two_nodes', '"--no_ssh", "--node_rank", str(rank)',
+        '"--master_addr", "127.0.0.1"', "localhost slots=1\\n127.0.0.1 slots=1\\n")) for rank in (0, 1)},
     'python docs/examples/serve_reft.py --model path/to/model --interventions out/reft --positions f1+l1 --prompt '
     '"red cat runs"': RunBy("tests/test_launchers.py::test_reloaded_interventions_answer_as_the_trained_model",
                             ("serve_each.py", "PROMPT = \"red cat runs\"", 'POSITIONS = "f1+l1"'),
