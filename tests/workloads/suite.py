@@ -501,7 +501,7 @@ def table(reference: dict, worlds: dict[str, dict], workloads=tuple(WORKLOADS)) 
                 if reason:
                     cells.append(f"skip: {reason.split('(')[0].split(':')[0].strip()}")
                 elif not isinstance(expected, Run):
-                    cells.append("reference failed")
+                    cells.append("reference failed: " + (expected or "not run").strip().splitlines()[-1][:60])
                 elif not isinstance(found, Run):
                     cells.append("error: " + (found or "not run").strip().splitlines()[-1][:60])
                 else:
@@ -514,7 +514,7 @@ def table(reference: dict, worlds: dict[str, dict], workloads=tuple(WORKLOADS)) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", help="comma-separated (default: all; with --gpu, the GPU workloads)")
     parser.add_argument("--gpu", action="store_true", help=f"workloads {', '.join(GPU_WORKLOADS)} on one GPU, "
                                                           "checkpointing on against off")
     parser.add_argument("--table", help="also write the table (markdown) here")
@@ -522,11 +522,15 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     with tempfile.TemporaryDirectory(prefix="workloads-") as scratch:
         folder = make_checkpoint(Path(scratch) / "checkpoint")
-        workloads = GPU_WORKLOADS if options.gpu else options.workloads.split(",")
+        workloads = options.workloads.split(",") if options.workloads else GPU_WORKLOADS if options.gpu else list(WORKLOADS)
         reference = world(folder, "single", cases_for("single", workloads))
         worlds = {"single": reference} if options.gpu else {
             strategy: world(folder, strategy, cases_for(strategy, workloads))
             for strategy in options.strategies.split(",")}
+    for strategy, results in {"single": reference, **worlds}.items():
+        for (workload, checkpointing), found in results.items():
+            if isinstance(found, str):  # a traceback: the table shows its last line
+                print(f"--- {workload} under {strategy}, checkpointing {checkpointing}:\n{found}", file=sys.stderr)
     text = table(reference, worlds, workloads)
     print(text)
     if options.table:
