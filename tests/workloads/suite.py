@@ -212,6 +212,8 @@ def alpaca(folder, output_dir, strategy, checkpointing) -> Run:
         tokenizer=tokenizer, model=model, label_pad_token_id=-100, padding="longest"))
     handed = reft_model
     if strategy in ("single", "ddp"):
+        if torch.cuda.is_available():  # the example puts the model on its rank's GPU before wrapping it
+            reft_model.set_device(f"cuda:{torch.cuda.current_device()}")
         handed = torch.nn.parallel.DistributedDataParallel(reft_model)
     trainer = pyreft.ReftTrainerForCausalLM(model=handed, tokenizer=tokenizer, args=args,
                                             train_dataset=dataset, data_collator=collator)
@@ -226,11 +228,11 @@ def alpaca(folder, output_dir, strategy, checkpointing) -> Run:
     # learned source. pyreft 0.1.0's ReftModel.load builds them in bfloat16 (docs/limits.md): equal within
     # bfloat16's rounding (2**-8 relative, twice: saved and loaded).
     trained, reloaded = (
-        {f"{key}.{name}": value for key, module in model.interventions.items()
+        {f"{key}.{name}": value.float().cpu() for key, module in model.interventions.items()
          for name, value in module.state_dict().items()} for model in (reft_model, loaded))
     same = sorted(reloaded) == sorted(trained) and all(
-        torch.allclose(reloaded[name].float(), trained[name].float(), rtol=2 ** -7,
-                       atol=2 ** -7 * trained[name].float().abs().max().item()) for name in trained)
+        torch.allclose(reloaded[name], trained[name], rtol=2 ** -7, atol=2 ** -7 * trained[name].abs().max().item())
+        for name in trained)
     checkpoints = sorted(p.name for p in Path(output_dir).glob("checkpoint-*"))
     return Run(record, {"loaded_equal": same, "checkpoints": checkpoints})
 
@@ -460,7 +462,7 @@ def world(folder: Path, strategy: str, cases, *, timeout: float = 900.0) -> dict
     """Spawn ``strategy``'s world (1 rank for ``single``, else 2), run ``cases``, return rank 0's results."""
     from pyvene_dist.testing import spawn
 
-    backend = "nccl" if torch.cuda.is_available() and strategy != "single" else "gloo"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"  # accelerate gathers CUDA tensors, even alone
     with tempfile.TemporaryDirectory(prefix=f"workloads-{strategy}-") as scratch:
         output = Path(scratch) / "results.pt"
         outcome = spawn(run_world, world_size=1 if strategy == "single" else 2, backend=backend, timeout=timeout,
