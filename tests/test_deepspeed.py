@@ -192,3 +192,30 @@ def test_zero3_save_on_rank_0_alone_is_refused_in_seconds(tmp_path):
             model.save_intervention(str(tmp_path / "saved"))
         assert time.monotonic() - started < 60
     dist.barrier()
+
+
+@pytest.mark.world_size(2, timeout=600)
+def test_interventions_on_a_model_partitioned_by_zero_init_take_its_bf16():
+    """HF's order under ZeRO-3 (``TrainingArguments``, then ``from_pretrained`` under ``zero.Init``) in bf16:
+    the base is partitioned in bf16 and DeepSpeed casts nothing more, while LoReFT's rotation is built in
+    float32; without the fix ``deepspeed.initialize`` fails with an AssertionError in stage 3's defragment."""
+    import deepspeed
+    import pyreft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    helpers.patch()
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4))
+    intervention = pyreft.LoreftIntervention(embed_dim=32, low_rank_dimension=4, dtype=torch.bfloat16)
+    model = pyreft.get_reft_model(base, pyreft.ReftConfig(representations=[
+        {"layer": 1, "component": "block_output", "low_rank_dimension": 4, "intervention": intervention}]))
+    assert {p.dtype for p in model.interventions.parameters() if p.requires_grad} == {torch.bfloat16}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
+                                      config=config)
+    input_ids = torch.randint(97, (2, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
+    _, out = engine({"input_ids": input_ids}, unit_locations={"sources->base": (None, [[[5], [5]]])}, labels=input_ids)
+    engine.backward(out.loss)
+    engine.step()
+    assert torch.isfinite(out.loss)

@@ -8,6 +8,12 @@ weight after that submodule's forward returned (NoReFT, DiReFT; LoReFT through i
 train correctly under ZeRO-3 with every parameter partitioned on deepspeed 0.19.8, and their
 parameters are released after each forward (``tests/test_deepspeed.py``).
 
+- A model loaded under ZeRO-3's ``zero.Init`` (HF's order: ``TrainingArguments`` first, then
+  ``from_pretrained``) is partitioned in the config's dtype, bf16 or fp16; DeepSpeed then casts nothing
+  more (``_cast_module_mixed_precision`` skips a ZeRO-Init model), yet the interventions pyvene adds
+  afterwards hold LoReFT's rotation in float32: ``AssertionError`` in stage 3's ``defragment`` at
+  ``deepspeed.initialize``. Built on such a model, the interventions take its dtype, as DeepSpeed gives
+  every parameter of a model it partitions itself (the order of pyreft's examples).
 - ``count_parameters`` (pyvene's and pyreft's) and ``ReftModel.print_trainable_parameters`` count
   ``numel()``, 0 for a partitioned parameter (pyreft then divides by zero). They count ``ds_numel``.
 
@@ -27,6 +33,7 @@ FIX = Fix(
         Site("pyvene.models.intervenable_base:count_parameters", "_wrap_count_parameters",
              kind="replace", fingerprint="549d19d8c59a6798"),
         Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
+        Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_model_init"),
         Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",
              kind="replace", fingerprint="549d19d8c59a6798"),
         Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
@@ -63,3 +70,17 @@ def _wrap_print_trainable_parameters(wrapped, instance, args, kwargs):
         f"trainable intervention params: {interventions:,d} || trainable model params: {trainable_model:,d}\n"
         f"model params: {every_model:,d} || trainable%: {100 * (interventions + trainable_model) / every_model}"
     )
+
+
+def _wrap_model_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    base = getattr(instance, "model", None)
+    partitioned = {p.dtype for p in base.parameters() if hasattr(p, "ds_id")} if base is not None else set()
+    if len(partitioned) != 1 or not next(iter(partitioned)).is_floating_point \
+            or next(iter(partitioned)).itemsize >= 4:
+        return
+    dtype = next(iter(partitioned))
+    for key, intervention in instance.interventions.items():
+        for parameter in intervention.parameters():
+            if parameter.is_floating_point() and parameter.dtype != dtype and not hasattr(parameter, "ds_id"):
+                parameter.data = parameter.data.to(dtype)

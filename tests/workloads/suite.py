@@ -39,10 +39,11 @@ LABELS = 3  # classes of workload c
 #: The tests skip them with this reason and the worlds do not run them (some hang); remove an entry
 #: once its fix is merged.
 NEEDS_FIX: dict[tuple[str, str | None, bool | None], str] = {
+    ("f-trainer-options-bf16", "zero3", None): "open: trains and resumes (the interventions take the ZeRO-Init "
+                                               "dtype, fixes.deepspeed), but one of 128 final weights differed "
+                                               "from one bf16 process by 0.04, beyond the 8-ulp bound; not explained",
     ("b-alpaca", "zero3", None): "pyreft's example saves on rank 0 alone, which ZeRO-3 refuses (issue 18 item 5: "
                                  "save on every rank; docs/limits.md)",
-    ("f-trainer-options-bf16", "zero3", None): "open, not investigated: under ZeRO-3 bf16 the resuming "
-                                               "trainer's deepspeed.initialize asserts in stage3 defragment",
 }
 
 
