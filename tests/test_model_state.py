@@ -3,8 +3,10 @@ by the model's garbage collection (``pyvene_dist._state``)."""
 
 import gc
 
+import pytest
 import torch
 
+import helpers
 import pyvene_dist
 from pyvene_dist._registry import REGISTRY
 from pyvene_dist.testing import ParityCase
@@ -83,3 +85,35 @@ def test_the_state_is_closed_when_the_model_is_collected(patched):
     gc.collect()
     assert not survivor._forward_hooks, "the state of a collected model kept its hooks"
     assert state.handles == [] and len(REGISTRY.models) == 0
+
+
+def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
+    """A replica's device is kept in the replica's state; its original's state and ``__dict__`` are untouched."""
+    from pyvene_dist.fixes.data_parallel import _make_independent
+
+    model = reft_model(tiny_llama())
+    replica = model._replicate_for_data_parallel()  # as torch's replicate makes it: a shallow copy
+    _make_independent(replica, model, torch.device("meta"))
+    assert replica.get_device() == torch.device("meta")
+    assert REGISTRY.models.get(replica).replica_device == torch.device("meta")
+    assert REGISTRY.models.get(model) is None
+    assert not any(name.startswith("_pyvene_dist") for name in vars(replica)), "written on pyvene's object"
+
+
+@pytest.mark.world_size(1)
+def test_fsdp_averaging_goes_with_the_model():
+    """The hooks fully_shard put on a model's interventions go when the model is collected, even while a
+    parameter lives on (a user's reference, an optimizer's)."""
+    from pyvene_dist.fsdp import fully_shard_model
+
+    helpers.patch()
+    try:
+        model = fully_shard_model(ParityCase().build())
+        trainable = [p for p in model.interventions.parameters() if p.requires_grad]
+        assert trainable and all(p._post_accumulate_grad_hooks for p in trainable)
+        assert {id(p) for p in REGISTRY.models.get(model).reduced.keys()} == {id(p) for p in trainable}
+        del model
+        gc.collect()
+        assert not any(p._post_accumulate_grad_hooks for p in trainable), "a collected model's hooks stayed"
+    finally:
+        pyvene_dist.unpatch()
