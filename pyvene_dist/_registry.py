@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import wrapt
 
+from ._state import ModelStates
 from ._versions import ALLOW_ENV, UnsupportedVersionError
 
 _MISSING = object()
@@ -238,6 +239,8 @@ class Registry:
         self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
         self._hooked_modules: set[str] = set()
         self._on_restore: list[Callable[[], None]] = []
+        #: What the fixes keep per pyvene model (``pyvene_dist._state``); ``restore_all`` closes it all.
+        self.models = ModelStates()
         self.active = False
 
     @property
@@ -311,7 +314,8 @@ class Registry:
         self._on_restore.append(undo)
 
     def restore_all(self) -> None:
-        """Put back every original, newest first. Refuses (changing nothing) if a site was replaced."""
+        """Put back every original, newest first, and close every model's state (the hooks the fixes
+        registered on live objects go with it). Refuses (changing nothing) if a site was replaced."""
         replaced = [site.name for site in self._sites if vars(site.owner).get(site.attribute) is not site.proxy]
         if replaced:
             raise RuntimeError(
@@ -326,6 +330,7 @@ class Registry:
         self._sites.clear()
         self._deferred.clear()
         self.active = False
+        self.models.close_all()
         undo, self._on_restore = self._on_restore, []
         for step in reversed(undo):
             step()

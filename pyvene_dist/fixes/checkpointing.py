@@ -26,7 +26,8 @@ belong:
 - they are removed when nothing can replay the forward any more: the replays hold a lease that torch's
   checkpoints keep with the graph (non-reentrant in its frames until backward frees them, reentrant on
   its node until the graph goes). After the backward that frees the graph, or with a graph dropped
-  unused; a graph kept by ``retain_graph`` keeps them for its next backward.
+  unused; a graph kept by ``retain_graph`` keeps them for its next backward. Until then they are
+  pending in the model's state (``REGISTRY.models.of(model).pending``), and ``unpatch()`` removes them.
 
 In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
 which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
@@ -53,7 +54,7 @@ import torch
 
 from . import hooks
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
@@ -138,7 +139,8 @@ def _wrap_forward(wrapped, instance, args, kwargs):
         _applying.reset(applying)
     forward.finished = True
     # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
-    # recompute this forward any more (at once if no checkpoint kept a replay).
+    # recompute this forward any more (at once if no checkpoint kept a replay), or at unpatch().
+    REGISTRY.models.of(instance).pending.add(forward)
     weakref.finalize(lease, forward.remove)
     return output
 

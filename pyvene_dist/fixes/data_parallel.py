@@ -19,6 +19,10 @@ parametrization, first called in DataParallel's threads.
 - ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
   ``model.device`` has no parameter to look at).
 
+What the fix knows (a replica's device, the devices it initialised) is kept in the model's state
+(``REGISTRY.models``), not on the model. ``is_replica`` is the one reader of torch's private mark of a
+replica, for the fixes that leave replicas alone.
+
 Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
 as a vector, which HF Trainer averages (``loss.mean()`` when ``n_gpu > 1``).
 
@@ -32,7 +36,7 @@ import inspect
 
 import torch
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 from ._scatter import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(
@@ -51,8 +55,11 @@ _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
 )
-_REPLICA_DEVICE = "_pyvene_dist_replica_device"
-_warmed_devices: set[torch.device] = set()
+
+
+def is_replica(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a DataParallel replica (torch's ``replicate`` marks them ``_is_replica``)."""
+    return getattr(module, "_is_replica", False)
 
 
 def _wrap_scatter(wrapped, instance, args, kwargs):
@@ -78,13 +85,14 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
         _, device_ids = _bind(wrapped, args, kwargs, "module", "device_ids")
         for replica, device_id in zip(replicas, device_ids):
             device = _cuda(device_id)
-            _warm_householder(device)
+            _warm_householder(original, device)
             _make_independent(replica, original, device)
     return replicas
 
 
 def _wrap_get_device(wrapped, instance, args, kwargs):
-    device = instance.__dict__.get(_REPLICA_DEVICE)
+    state = REGISTRY.models.get(instance)
+    device = None if state is None else state.replica_device
     return device if device is not None else wrapped(*args, **kwargs)
 
 
@@ -108,15 +116,16 @@ def _make_independent(replica, original, device: torch.device) -> None:
         "_intervention_state": {key: InterventionState(key) for key in original._intervention_state},
         "_key_getter_call_counter": dict.fromkeys(original._key_getter_call_counter, 0),
         "_key_setter_call_counter": dict.fromkeys(original._key_setter_call_counter, 0),
-        _REPLICA_DEVICE: device,
     })
+    REGISTRY.models.of(replica).replica_device = device
 
 
-def _warm_householder(device: torch.device) -> None:
+def _warm_householder(model, device: torch.device) -> None:
     # torch initialises householder_product's backend lazily, and not thread-safely.
-    if device not in _warmed_devices:
+    warmed = REGISTRY.models.of(model).warmed_devices
+    if device not in warmed:
         torch.linalg.householder_product(torch.eye(2, 1, device=device), torch.zeros(1, device=device))
-        _warmed_devices.add(device)
+        warmed.add(device)
 
 
 def _bind(wrapped, args, kwargs, *names):

@@ -17,18 +17,20 @@ Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/
 as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
 decoder layer. Sharding only ``reft_model.model`` leaves the interventions' gradients unreduced.
 
+The gradient-averaging hooks are kept in the pyvene model's state (``REGISTRY.models.of(model).reduced``):
+they are removed by ``unpatch()``, and when the model is garbage collected.
+
 Checked with torch 2.11 (2 x H200, nccl) and 2.13 (CPU, gloo).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 from ._models import intervenable_models
 from .consistency import check_same_interventions
 
@@ -42,50 +44,43 @@ FIX = Fix(
              "_wrap_fsdp1_init"),
     ),
     checked={"torch": ">=2.11,<2.14"},
-    on_unpatch="_stop_averaging",
 )
-_reduced: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
 
 
-def _stop_averaging() -> None:
-    """Remove the gradient hooks ``fully_shard``/FSDP1 wraps registered on interventions while patched."""
-    for handle in list(_reduced.values()):
-        handle.remove()
-    _reduced.clear()
-
-
-def intervention_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """The ``interventions`` of every pyvene model inside ``modules``."""
-    found = []
+def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every pyvene model inside ``modules``, each with interventions of its own (the first that holds them)."""
+    found, interventions = [], []
     for module in modules:
         for model in intervenable_models(module):
-            if model.interventions not in found:
-                found.append(model.interventions)
+            if not any(model.interventions is seen for seen in interventions):
+                found.append(model)
+                interventions.append(model.interventions)
     return found
 
 
 def _wrap_fully_shard(wrapped, instance, args, kwargs):
     modules = args[0] if args else kwargs["module"]
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
-    interventions = intervention_modules(modules)
-    if not interventions:
+    models = pyvene_models(modules)
+    if not models:
         return wrapped(*args, **kwargs)
     mesh = kwargs.get("mesh")
     for module in modules:  # the same on every rank of each mesh dimension: the same on the whole mesh
         for group in [mesh.get_group(dim) for dim in range(mesh.ndim)] if mesh is not None else [None]:
             check_same_interventions(module, group)
-    parameters = {p for module in interventions for p in module.parameters()}
+    parameters = {p for model in models for p in model.interventions.parameters()}
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    _place_and_reduce(interventions, _compute_device(modules, parameters), groups)
+    _place_and_reduce(models, _compute_device(modules, parameters), groups)
     return sharded
 
 
 def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     module = args[0] if args else kwargs["module"]
-    interventions = intervention_modules([module])
+    models = pyvene_models([module])
+    interventions = [model.interventions for model in models]
     if interventions:
         check_same_interventions(module, kwargs.get("process_group"))
         device_id = kwargs.get("device_id")
@@ -102,20 +97,27 @@ def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     if interventions:
         groups = [instance.process_group] + [g for g in [getattr(instance, "_inter_node_pg", None)] if g is not None]
-        _place_and_reduce(interventions, instance.compute_device, groups)
+        _place_and_reduce(models, instance.compute_device, groups)
 
 
-def _place_and_reduce(interventions: list[nn.Module], device: torch.device, groups: list) -> None:
+def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: list) -> None:
     import torch.distributed as dist
 
     size = 1
     for group in groups:
         size *= dist.get_world_size(group)
-    for module in interventions:
-        module.to(device)
-        for parameter in module.parameters():
-            if parameter.requires_grad and parameter not in _reduced:
-                _reduced[parameter] = parameter.register_post_accumulate_grad_hook(_averager(groups, size))
+    for model in models:
+        model.interventions.to(device)
+        reduced = REGISTRY.models.of(model).reduced
+        for parameter in model.interventions.parameters():
+            if parameter.requires_grad and not _averaged(parameter):
+                reduced[parameter] = parameter.register_post_accumulate_grad_hook(_averager(groups, size))
+
+
+def _averaged(parameter: nn.Parameter) -> bool:
+    """Whether some pyvene model's state already averages ``parameter``'s gradient (a second FSDP wrap,
+    or interventions that two models share)."""
+    return any(parameter in state.reduced for state in REGISTRY.models)
 
 
 def _averager(groups: list, size: int):

@@ -6,8 +6,9 @@ every module of the base model. DeepSpeed ZeRO-3 and FSDP2 gather and free param
 profilers and users keep theirs there too. After one pyvene forward they are silently gone.
 
 The fix records the handles pyvene's hook factories (``_intervention_getter``,
-``_intervention_setter``) return, per model, and ``_remove_forward_hooks`` removes exactly those.
-The record is keyed by the model object, so ``nn.DataParallel`` replicas (shallow copies) keep their own.
+``_intervention_setter``) return in the model's state (``REGISTRY.models.of(model).handles``), and
+``_remove_forward_hooks`` removes exactly those. The state is found from the model object, so
+``nn.DataParallel`` replicas (shallow copies) keep their own; ``unpatch()`` removes what is left.
 
 ``setters_kept_alive(model)`` is for ``fixes.checkpointing``: inside it, the handles of the hooks that
 *apply* interventions are handed to the caller instead of to pyvene, which would remove them when its
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import Callable, Iterator
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
@@ -38,9 +38,6 @@ FIX = Fix(
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},
 )
-
-_handles: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
-_keeping: "weakref.WeakKeyDictionary[object, Kept]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -62,28 +59,30 @@ class Kept:
 @contextlib.contextmanager
 def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kept]:
     kept = Kept(wrap_hook=wrap_hook)
-    _keeping[model] = kept
+    state = REGISTRY.models.of(model)
+    state.kept = kept
     try:
         yield kept
     except BaseException:
         kept.remove()
         raise
     finally:
-        _keeping.pop(model, None)
+        state.kept = None
 
 
 def keeping(model) -> Kept | None:
-    return _keeping.get(model)
+    state = REGISTRY.models.get(model)
+    return None if state is None else state.kept
 
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
     handler_list = wrapped(*args, **kwargs)
-    _handles.setdefault(instance, []).extend(handler_list.handlers)
+    REGISTRY.models.of(instance).handles.extend(handler_list.handlers)
     return handler_list
 
 
 def _wrap_setter_factory(wrapped, instance, args, kwargs):
-    kept = _keeping.get(instance)
+    kept = keeping(instance)
     if kept is None:
         return _wrap_hook_factory(wrapped, instance, args, kwargs)
     handler_list = wrapped(*args, **kwargs)
@@ -97,5 +96,9 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):
-    for handle in _handles.pop(instance, ()):
+    state = REGISTRY.models.get(instance)
+    if state is None:
+        return
+    handles, state.handles = state.handles, []
+    for handle in handles:
         handle.remove()

@@ -51,6 +51,7 @@ import torch
 
 from .._registry import Fix, Site
 from . import checkpointing
+from .data_parallel import is_replica
 
 FIX = Fix(
     __name__,
@@ -135,7 +136,7 @@ def _applies(orthogonal, X) -> bool:
         and base.dtype == torch.float32
         and type(X) in (torch.Tensor, torch.nn.Parameter)
         and not hasattr(X, "ds_id")
-        and not getattr(orthogonal, "_is_replica", False)
+        and not is_replica(orthogonal)
         and str(getattr(orthogonal, "orthogonal_map", "")).endswith("householder")
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()

@@ -19,8 +19,8 @@ PyTorch keeps that cache in module globals: a counter of open contexts and one d
 *original* module the parametrization was registered on (the key is fixed in the property it injects
 into the module's class). ``nn.DataParallel`` replicas share that class, so a replica would read
 another replica's weight, on another GPU (``Expected all tensors to be on the same device``). Replicas
-(``_is_replica``, set by torch's ``replicate``) therefore build their weights uncached, in forward and
-in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
+(``data_parallel.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
+in forward and in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
 the autograd engine's device thread), so entering and leaving the context is serialised by a lock.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 
 from .._registry import Fix, Site
+from .data_parallel import is_replica
 
 FIX = Fix(
     __name__,
@@ -51,7 +52,7 @@ def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
     from torch.nn.utils import parametrize
 
     intervention = args[2] if len(args) > 2 else kwargs.get("intervention")
-    if getattr(intervention, "_is_replica", False):
+    if is_replica(intervention):
         return wrapped(*args, **kwargs)
     context = parametrize.cached()
     with _lock:

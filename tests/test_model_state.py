@@ -1,0 +1,119 @@
+"""What the fixes keep about a model lives in one object found from the model, torn down by unpatch() and
+by the model's garbage collection (``pyvene_dist._state``)."""
+
+import gc
+
+import pytest
+import torch
+
+import helpers
+import pyvene_dist
+from pyvene_dist._registry import REGISTRY
+from pyvene_dist.testing import ParityCase
+from pyvene_dist.testing.models import reft_model, tiny_llama
+
+LOCATIONS = {"sources->base": (None, [[[3]] * 2] * 2)}
+
+
+def _inputs():
+    return {"input_ids": torch.randint(97, (2, 8), generator=torch.Generator().manual_seed(0))}
+
+
+def _hook_counts(model):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.model.modules()]
+
+
+def _handles_during_forward(model) -> list:
+    """How many hook handles the model's state holds while its base model runs, forward after forward."""
+    seen = []
+    model.model.lm_head.register_forward_hook(
+        lambda module, args, output: seen.append(len(REGISTRY.models.get(model).handles))
+    )
+    model(_inputs(), unit_locations=LOCATIONS)
+    return seen
+
+
+def test_the_state_is_found_from_the_model(patched):
+    """pyvene's hook handles are in the model's own state while it runs, and gone from it after."""
+    model = reft_model(tiny_llama())
+    assert REGISTRY.models.get(model) is None  # reading creates nothing
+    assert _handles_during_forward(model) == [2]  # one setter per intervention (layers 0 and 1)
+    assert REGISTRY.models.get(model) is REGISTRY.models.of(model)
+    assert REGISTRY.models.get(model).handles == []
+
+
+def test_two_models_have_separate_states(patched):
+    """A model's cleanup removes its own handles only, even when another model's forward runs inside."""
+    first, second = reft_model(tiny_llama()), reft_model(tiny_llama(seed=1))
+    inner = []
+    first.model.lm_head.register_forward_hook(
+        lambda module, args, output: inner.append(second(_inputs(), unit_locations=LOCATIONS))
+    )
+    seen = []
+    first.model.lm_head.register_forward_hook(
+        lambda module, args, output: seen.append(len(REGISTRY.models.get(first).handles))
+    )
+    first(_inputs(), unit_locations=LOCATIONS)
+    assert inner and seen == [2]  # the second model's forward and cleanup left the first's handles alone
+    assert REGISTRY.models.of(first) is not REGISTRY.models.of(second)
+
+
+def test_unpatch_removes_the_hooks_kept_for_a_pending_backward(patched):
+    """A checkpointing training forward keeps its intervening hooks until its backward; unpatch() removes
+    them with the rest of the model's state."""
+    case = ParityCase(component="mlp_output", checkpointing="non-reentrant")
+    model = case.build()
+    model.train()
+    baseline = _hook_counts(model)
+    batch = case.batches()[0]
+    loss = model(base={"input_ids": batch["input_ids"]}, labels=batch["labels"],
+                 unit_locations={"sources->base": (None, batch["locations"].tolist())})[1].loss
+    assert _hook_counts(model) != baseline  # kept for the recomputation
+    pyvene_dist.unpatch()
+    assert _hook_counts(model) == baseline, "unpatch() left the kept hooks registered"
+    assert len(REGISTRY.models) == 0
+    del loss
+
+
+def test_the_state_is_closed_when_the_model_is_collected(patched):
+    """A model's state is torn down (the hooks it holds removed) when the model goes, not at unpatch()."""
+    model = reft_model(tiny_llama())
+    survivor = torch.nn.Linear(2, 2)  # a module that outlives the model, holding a hook in its state
+    state = REGISTRY.models.of(model)
+    state.handles.append(survivor.register_forward_hook(lambda module, args, output: None))
+    del model
+    gc.collect()
+    assert not survivor._forward_hooks, "the state of a collected model kept its hooks"
+    assert state.handles == [] and len(REGISTRY.models) == 0
+
+
+def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
+    """A replica's device is kept in the replica's state; its original's state and ``__dict__`` are untouched."""
+    from pyvene_dist.fixes.data_parallel import _make_independent
+
+    model = reft_model(tiny_llama())
+    replica = model._replicate_for_data_parallel()  # as torch's replicate makes it: a shallow copy
+    _make_independent(replica, model, torch.device("meta"))
+    assert replica.get_device() == torch.device("meta")
+    assert REGISTRY.models.get(replica).replica_device == torch.device("meta")
+    assert REGISTRY.models.get(model) is None
+    assert not any(name.startswith("_pyvene_dist") for name in vars(replica)), "written on pyvene's object"
+
+
+@pytest.mark.world_size(1)
+def test_fsdp_averaging_goes_with_the_model():
+    """The hooks fully_shard put on a model's interventions go when the model is collected, even while a
+    parameter lives on (a user's reference, an optimizer's)."""
+    from pyvene_dist.fsdp import fully_shard_model
+
+    helpers.patch()
+    try:
+        model = fully_shard_model(ParityCase().build())
+        trainable = [p for p in model.interventions.parameters() if p.requires_grad]
+        assert trainable and all(p._post_accumulate_grad_hooks for p in trainable)
+        assert {id(p) for p in REGISTRY.models.get(model).reduced.keys()} == {id(p) for p in trainable}
+        del model
+        gc.collect()
+        assert not any(p._post_accumulate_grad_hooks for p in trainable), "a collected model's hooks stayed"
+    finally:
+        pyvene_dist.unpatch()
