@@ -254,8 +254,14 @@ class Registry:
         return None
 
     def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
-        """Replace ``owner.attribute`` with a ``wrapt.FunctionWrapper`` calling ``wrapper``, once."""
-        if self.find(owner, attribute) is not None:
+        """Replace ``owner.attribute`` with a ``wrapt.FunctionWrapper`` calling ``wrapper``, once.
+
+        A second wrapper for the same attribute is refused: it would be skipped silently otherwise."""
+        existing = self.find(owner, attribute)
+        if existing is not None:
+            if getattr(existing.proxy, "_self_wrapper", wrapper) is not wrapper:
+                raise FixError(f"{existing.name} is wrapped already by {existing.proxy._self_wrapper.__qualname__}; "
+                               f"two fixes cannot both wrap it ({wrapper.__qualname__}): wrap another site")
             return
         original = vars(owner).get(attribute, _MISSING)
         if original is _MISSING:

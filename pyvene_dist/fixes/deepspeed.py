@@ -33,7 +33,7 @@ FIX = Fix(
         Site("pyvene.models.intervenable_base:count_parameters", "_wrap_count_parameters",
              kind="replace", fingerprint="549d19d8c59a6798"),
         Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
-        Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_model_init"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.__init__", "_wrap_model_init"),
         Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",
              kind="replace", fingerprint="549d19d8c59a6798"),
         Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
