@@ -12,7 +12,9 @@ column's sign read from the diagonal, times a fixed orthogonal ``base`` buffer. 
 among its interventions becomes a ``ReftOrthogonal`` (its class is swapped; nothing else about the module
 changes, its state dict included), whose forward holds both fixes below and, where they do not apply,
 torch's forward op for op, its Householder product given ``fixes.householder``'s closed-form backward
-when that fix is applied. ``adopt(module)`` does the same for interventions built some other way.
+when that fix is applied. ``adopt(module)`` does the same for interventions built some other way,
+and for a model built before ``patch()`` (``adopt(model.interventions)``), whose rotations are otherwise
+torch's: eager, and under DeepSpeed's bf16 mode failing as below.
 ``unpatch()`` gives the adopted modules torch's class back and a later ``patch()`` swaps them again (a
 weak record); a copy made while patched (``deepcopy``, a DataParallel replica) keeps the class and runs
 torch's forward while unpatched. A user's own orthogonal layer keeps torch's eager path, double
