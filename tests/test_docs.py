@@ -483,7 +483,7 @@ def test_the_upstreaming_tables_follow_the_records():
     for fix in fixes():
         diff_rows = [line for line in note.splitlines() if re.match(rf"\| \w+ \| `{fix.name}\.diff` \|", line)]
         assert len(diff_rows) == len(fix.upstream), f"docs/upstreaming.md lists {len(diff_rows)} diffs of {fix.name!r}"
-        for required in fix.requires:
+        for required in fix.requires if fix.upstream else ():  # a runtime-only fix has no diff to name it
             assert any(f"{required}.diff" in row.rsplit("|", 2)[-2] for row in diff_rows), (
                 f"docs/upstreaming.md: no diff of {fix.name!r} says it depends on {required}.diff")
 

@@ -1,7 +1,9 @@
-"""fixes.householder: torch's Householder product with a closed-form backward.
+"""fixes.householder: torch's Householder product with a closed-form backward, for pyvene's rotations only.
 
-The references are finite differences (``gradcheck``) and torch's own backward, run unpatched on the
-same inputs; the forward must stay torch's, bit for bit.
+``householder.householder_product`` is the closed-form call; the references are finite differences
+(``gradcheck``) and torch's own backward on the same inputs; the forward must stay torch's, bit for
+bit. Patched, ``torch.linalg.householder_product`` is torch's own, and LoReFT's rotation in a model
+built while patched uses the closed form.
 """
 
 import pytest
@@ -11,7 +13,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pyvene_dist
+from pyvene_dist.fixes import householder
 from pyvene_dist.testing import models
+
+TORCHS = torch.linalg.householder_product
 
 
 def _inputs(batch, n, k, *, orthogonal_tau, dtype=torch.float64, seed=0):
@@ -25,8 +30,8 @@ def _inputs(batch, n, k, *, orthogonal_tau, dtype=torch.float64, seed=0):
     return A.requires_grad_(), tau.requires_grad_(), grad
 
 
-def _product_and_grads(A, tau, grad):
-    Q = torch.linalg.householder_product(A, tau)
+def _product_and_grads(A, tau, grad, product=TORCHS):
+    Q = product(A, tau)
     return (Q.detach(), *torch.autograd.grad(Q, (A, tau), grad))
 
 
@@ -40,8 +45,7 @@ def _product_and_grads(A, tau, grad):
 def test_gradients_equal_torchs_and_the_product_is_torchs(batch, k, extra_rows, orthogonal_tau, seed):
     A, tau, grad = _inputs(batch, k + extra_rows, k, orthogonal_tau=orthogonal_tau, seed=seed)
     stock = _product_and_grads(A, tau, grad)
-    with pyvene_dist.patched():
-        closed_form = _product_and_grads(A, tau, grad)
+    closed_form = _product_and_grads(A, tau, grad, householder.householder_product)
     assert torch.equal(closed_form[0], stock[0])
     for name, got, expected in zip(("A", "tau"), closed_form[1:], stock[1:]):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
@@ -50,8 +54,8 @@ def test_gradients_equal_torchs_and_the_product_is_torchs(batch, k, extra_rows, 
 @pytest.mark.parametrize("shape", [(7, 3), (5, 5), (6, 1), (2, 6, 2)])
 def test_gradients_match_finite_differences(shape):
     A, tau, _ = _inputs(shape[:-2], *shape[-2:], orthogonal_tau=False)
-    with pyvene_dist.patched():
-        assert torch.autograd.gradcheck(torch.linalg.householder_product, (A, tau))
+    assert type(householder.householder_product(A, tau).grad_fn).__name__ == "_HouseholderProductBackward"
+    assert torch.autograd.gradcheck(householder.householder_product, (A, tau))
 
 
 @pytest.mark.gpus(1)
@@ -64,16 +68,17 @@ def test_on_a_gpu_gradients_equal_torchs(dtype):
         A, tau, grad = (t.detach().to("cuda", dtype).requires_grad_(t.requires_grad)
                         for t in _inputs(batch, n, k, orthogonal_tau=True))
         stock = _product_and_grads(A, tau, grad)
-        with pyvene_dist.patched():
-            closed_form = _product_and_grads(A, tau, grad)
+        closed_form = _product_and_grads(A, tau, grad, householder.householder_product)
         assert torch.equal(closed_form[0], stock[0])
         for name, got, expected in zip(("A", "tau"), closed_form[1:], stock[1:]):
             torch.testing.assert_close(got, expected, **tolerance, msg=f"{name} of {(*batch, n, k)}")
 
 
 def test_float32_rotation_gradients_agree_with_torchs_to_rounding():
-    """LoReFT's rotation as pyreft builds it (float32, the orthogonal parametrization), through a loss."""
-    reft = models.reft_model(models.tiny_llama(hidden=64), layers=(0,), seed=1)
+    """LoReFT's rotation as pyreft builds it (float32, the orthogonal parametrization), through a loss.
+    Built while patched, as pyvene_dist is used: pyvene's model adopts the rotation then."""
+    with pyvene_dist.patched():
+        reft = models.reft_model(models.tiny_llama(hidden=64), layers=(0,), seed=1)
     rotation = next(iter(reft.interventions.values())).rotate_layer
     original = rotation.parametrizations.weight.original  # (hidden, rank): reflectors under the diagonal
     generator = torch.Generator().manual_seed(2)
@@ -89,6 +94,7 @@ def test_float32_rotation_gradients_agree_with_torchs_to_rounding():
     expected = grad_of_original()
     with pyvene_dist.patched():
         got = grad_of_original()
+        assert "_HouseholderProductBackward" in _backward_names(rotation.weight.grad_fn)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -103,15 +109,25 @@ class _CountOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _backward_names(grad_fn) -> set[str]:
+    names, pending = set(), [grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 def _backward_operators(rank: int) -> int:
     A, tau, grad = _inputs((), 64, rank, orthogonal_tau=True, dtype=torch.float32)
-    Q = torch.linalg.householder_product(A, tau)
+    Q = householder.householder_product(A, tau)
     with _CountOperators() as counter:
         Q.backward(grad)
     return counter.count
 
 
-def test_the_backward_does_not_loop_over_reflectors(patched):
+def test_the_backward_does_not_loop_over_reflectors():
     """torch's backward applies the reflectors one by one, so its operator count grows with the rank
     (per call: one operator per kernel the host issues); the closed form's stays fixed."""
     counts = {rank: _backward_operators(rank) for rank in (2, 4, 16)}
@@ -120,29 +136,32 @@ def test_the_backward_does_not_loop_over_reflectors(patched):
 
 @pytest.mark.parametrize("case", ["no grad", "bfloat16", "out", "keywords"])
 def test_other_calls_are_torchs(case):
+    """The closed-form call gives torch's own wherever the closed form does not apply; patched,
+    ``torch.linalg.householder_product`` itself is torch's for every call."""
     A, tau, _ = _inputs((), 6, 3, orthogonal_tau=True, dtype=torch.float32)
     if case == "bfloat16":
         A, tau = A.detach().bfloat16().requires_grad_(), tau.detach().bfloat16().requires_grad_()
 
-    def call():
+    def call(product=TORCHS):
         if case == "no grad":
             with torch.no_grad():
-                return torch.linalg.householder_product(A, tau)
+                return product(A, tau)
         if case == "out":
             out = torch.empty(6, 3)
-            return torch.linalg.householder_product(A.detach(), tau.detach(), out=out)
+            return product(A.detach(), tau.detach(), out=out)
         if case == "keywords":
-            return torch.linalg.householder_product(input=A, tau=tau)
-        return torch.linalg.householder_product(A, tau)
+            return product(input=A, tau=tau)
+        return product(A, tau)
 
+    with pyvene_dist.patched():
+        assert torch.linalg.householder_product is TORCHS
     try:
         stock = call()
     except (NotImplementedError, RuntimeError) as error:  # no half-precision kernel on CPU
-        with pyvene_dist.patched(), pytest.raises(type(error)):
-            call()
+        with pytest.raises(type(error)):
+            call(householder.householder_product)
         return
-    with pyvene_dist.patched():
-        got = call()
+    got = call(householder.householder_product)
     assert torch.equal(got, stock)
     if case == "keywords":  # a gradient is needed and the closed form applies
         assert type(got.grad_fn).__name__ == "_HouseholderProductBackward"

@@ -6,6 +6,7 @@ rounding), in float32, float64 and under bf16 autocast; the switch. On a GPU: a 
 launches; replays equal eager results, see in-place updates, recapture on a new storage and a new
 autocast state, equal eager results under autocast, refuse an update between forward and backward as
 autograd does, and stand aside inside another capture; ReFT training matches eager training.
+Everywhere: only pyvene's interventions get the fixes; a user's own orthogonal layer keeps torch's path.
 """
 
 import warnings
@@ -19,11 +20,13 @@ from pyvene_dist.fixes import orthogonal as graphed
 
 
 def _rotation(device="cpu", hidden=64, rank=4, seed=0):
-    """pyreft's LoReFT rotation (its parametrized layer), moved off its initial point below the diagonal."""
+    """pyreft's LoReFT rotation (its parametrized layer), moved off its initial point below the diagonal,
+    adopted as pyvene's model adopts its interventions' rotations when it is built."""
     import pyreft
 
     torch.manual_seed(seed)
     intervention = pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=rank, dtype=torch.float32)
+    graphed.adopt(intervention)
     rotate = intervention.rotate_layer.to(device)
     original = rotate.parametrizations.weight.original
     with torch.no_grad():
@@ -39,6 +42,107 @@ def _parts(rotate):
 def _loss(weight):
     """A loss whose gradient differs in every entry (not a plain sum)."""
     return (weight.square() * torch.arange(weight.numel(), device=weight.device).view_as(weight)).sum()
+
+
+def _second_order_grads(layer, x):
+    """d/dW of the squared norm of d loss/dW, W the layer's raw weight: needs double backward."""
+    original = layer.parametrizations.weight.original
+    (grad,) = torch.autograd.grad(layer(x).square().sum(), original, create_graph=True)
+    (grad_of_grad,) = torch.autograd.grad(grad.square().sum(), original)
+    return grad, grad_of_grad
+
+
+def _backward_names(grad_fn) -> set[str]:
+    names, pending = set(), [grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_a_users_orthogonal_layer_keeps_torchs_eager_path_and_double_backward():
+    """Patched, with a ReFT model built in the process: the model's rotations are the fix's, a plain
+    ``orthogonal`` layer keeps torch's parametrization, Householder product and double backward (its
+    second derivatives equal those computed before ``patch()``, bit for bit)."""
+    from torch.nn.utils.parametrizations import _Orthogonal, orthogonal
+
+    from pyvene_dist.testing import models
+
+    torch.manual_seed(0)
+    layer = orthogonal(torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    expected = _second_order_grads(layer, x)
+    assert expected[1].abs().max() > 0.1
+    pyvene_dist.patch()
+    try:
+        reft = models.reft_model(models.tiny_llama(hidden=64), layers=(0,), seed=1)
+        got = _second_order_grads(layer, x)
+        for name, value, reference in zip(("grad of grad", "grad"), got[::-1], expected[::-1]):
+            difference = (value - reference).abs().max().item()
+            assert torch.equal(value, reference), f"{name}: max difference {difference:.3g}"
+        assert type(layer.parametrizations.weight[0]) is _Orthogonal
+        assert torch.linalg.householder_product is torch._C._linalg.linalg_householder_product
+        names = _backward_names(layer.weight.grad_fn)
+        assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names, names
+        rotations = {type(m) for m in reft.interventions.modules() if isinstance(m, _Orthogonal)}
+        assert rotations == {graphed.ReftOrthogonal}
+    finally:
+        pyvene_dist.unpatch()
+
+
+@pytest.mark.parametrize("shape", [(64, 4), (4, 64), (6, 6), (3, 7, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("use_trivialization", [True, False])
+def test_the_adopted_rotations_forward_is_torchs_bit_for_bit(patched, shape, dtype, use_trivialization):
+    """The eager path of ``ReftOrthogonal`` (torch's forward, op for op, with the closed-form product):
+    tall, wide, square and batched weights, with and without ``base``; gradients equal torch's to rounding."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype))
+    orthogonal(module, orthogonal_map="householder", use_trivialization=use_trivialization)
+    original = module.parametrizations.weight.original
+    with torch.no_grad():
+        original.add_(0.1 * torch.randn(shape, dtype=dtype))
+    graphed.adopt(module)
+    assert type(module.parametrizations.weight[0]) is graphed.ReftOrthogonal
+    grad_Q = torch.randn(module.weight.shape, dtype=dtype)
+    got = module.weight
+    assert "_HouseholderProductBackward" in _backward_names(got.grad_fn)
+    (got_grad,) = torch.autograd.grad(got, original, grad_Q)
+    pyvene_dist.unpatch()
+    assert type(module.parametrizations.weight[0]) is not graphed.ReftOrthogonal
+    with parametrize.cached():
+        expected = module.weight
+    (expected_grad,) = torch.autograd.grad(expected, original, grad_Q)
+    assert torch.equal(got, expected)
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got_grad, expected_grad, **tolerance)
+
+
+def test_unpatch_gives_torchs_class_back_and_patch_swaps_it_again():
+    """A weak record of the adopted rotations; a copy made while patched runs torch's forward unpatched."""
+    import copy
+
+    from torch.nn.utils.parametrizations import _Orthogonal
+
+    orthogonal, X = _parts(_rotation())
+    with pyvene_dist.patched():
+        assert type(orthogonal) is graphed.ReftOrthogonal
+        duplicate = copy.deepcopy(orthogonal)
+    assert type(orthogonal) is _Orthogonal
+    assert type(duplicate) is graphed.ReftOrthogonal
+    names = _backward_names(duplicate(X).grad_fn)
+    assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names, names
+    with pyvene_dist.patched():
+        assert type(orthogonal) is graphed.ReftOrthogonal
+    with pyvene_dist.patched(exclude=("householder",)):  # the rotation's own fix, torch's product
+        names = _backward_names(orthogonal(X).grad_fn)
+        assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names
 
 
 def test_captured_forward_is_torchs_op_for_op():

@@ -28,30 +28,53 @@ gradient, without ``out=`` and without ``__torch_function__`` subclasses; every 
 untouched. Gradients agree with torch's to rounding (float64: relative 1e-10 in tests, and with finite
 differences). The backward is not itself differentiable (no double backward through the rotation).
 
-It lives in ``torch.linalg``, which pyvene and pyreft do not own: this concern has no upstream diff
-(``docs/upstreaming.md``). Checked with torch 2.11 and 2.13.
+Only pyvene's interventions get it: ``torch.linalg.householder_product`` stays torch's for every caller.
+``householder_product`` here is the closed-form call, and the fix has no site of its own: it switches on
+(``CLOSED_FORM``) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the parametrization that
+fix gives the interventions' rotations, which it therefore requires. A user's own orthogonal layer in
+the same process keeps torch's forward and backward, double backward included.
+
+The slow backward is torch's (``householder_product_backward``), which pyvene and pyreft do not own:
+this concern has no upstream diff (``docs/upstreaming.md``). Checked with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._registry import Fix, Site
+from .._registry import Fix
 
 FIX = Fix(
     __name__,
-    sites=(Site("torch.linalg:householder_product", "_wrap_with_closed_form_backward"),),
+    sites=(),  # it acts through fixes.orthogonal's ReftOrthogonal, on pyvene's interventions only
+    requires=("orthogonal",),
     checked={"torch": ">=2.11,<2.14"},
+    on_patch="_switch_on",
+    on_unpatch="_switch_off",
 )
 
 
 _EXACT = (torch.float32, torch.float64)
+#: Set by ``patch()``: whether ``ReftOrthogonal``'s eager rotation calls ``householder_product`` here
+#: (else torch's).
+CLOSED_FORM = False
 
 
-def _wrap_with_closed_form_backward(wrapped, instance, args, kwargs):
+def _switch_on(options) -> None:
+    global CLOSED_FORM
+    CLOSED_FORM = True
+
+
+def _switch_off() -> None:
+    global CLOSED_FORM
+    CLOSED_FORM = False
+
+
+def householder_product(*args, **kwargs) -> torch.Tensor:
+    """``torch.linalg.householder_product(*args, **kwargs)``, with the closed-form backward where it applies."""
     reflectors_and_tau = _bind(*args, **kwargs)
     if reflectors_and_tau is None:
-        return wrapped(*args, **kwargs)
+        return torch.linalg.householder_product(*args, **kwargs)
     return _HouseholderProduct.apply(*reflectors_and_tau)
 
 
@@ -73,7 +96,7 @@ class _HouseholderProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, tau):
         ctx.save_for_backward(A, tau)
-        return torch.linalg.householder_product(A, tau)  # grad mode is off here: this is torch's own call
+        return torch.linalg.householder_product(A, tau)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -3,9 +3,22 @@ forward and backward replay from CUDA graphs.
 
 LoReFT keeps its rotation orthogonal with ``torch.nn.utils.parametrizations.orthogonal``: a tall matrix
 ``X`` (hidden x rank) becomes the Householder product of the reflectors under its diagonal, each
-column's sign read from the diagonal, times a fixed orthogonal ``base`` buffer. Both fixes wrap that
-map's forward (torch's ``_Orthogonal.forward``), which pyvene and pyreft do not own: this concern has no
-upstream diff (``docs/upstreaming.md``).
+column's sign read from the diagonal, times a fixed orthogonal ``base`` buffer. That map is torch's
+``_Orthogonal`` module, which pyvene and pyreft do not own: this concern has no upstream diff
+(``docs/upstreaming.md``).
+
+**Only pyvene's interventions.** torch stays untouched: when pyvene builds a model
+(``BaseModel.__init__``, which ``IntervenableModel`` and pyreft's ``ReftModel`` run), each ``_Orthogonal``
+among its interventions becomes a ``ReftOrthogonal`` (its class is swapped; nothing else about the module
+changes, its state dict included), whose forward holds both fixes below and, where they do not apply,
+torch's forward op for op, its Householder product given ``fixes.householder``'s closed-form backward
+when that fix is applied. ``adopt(module)`` does the same for interventions built some other way,
+and for a model built before ``patch()`` (``adopt(model.interventions)``), whose rotations are otherwise
+torch's: eager, and under DeepSpeed's bf16 mode failing as below.
+``unpatch()`` gives the adopted modules torch's class back and a later ``patch()`` swaps them again (a
+weak record); a copy made while patched (``deepcopy``, a DataParallel replica) keeps the class and runs
+torch's forward while unpatched. A user's own orthogonal layer keeps torch's eager path, double
+backward included.
 
 **Half precision.** DeepSpeed's ``bf16`` (and ``fp16``) mode casts every parameter, the rotation's raw
 matrix included (not the float32 ``base``), and ``torch.linalg.householder_product`` has no
@@ -48,17 +61,18 @@ import warnings
 import weakref
 
 import torch
+from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._registry import Fix, Site
-from . import checkpointing
+from . import checkpointing, householder
 from .data_parallel import is_replica
 
 FIX = Fix(
     __name__,
-    sites=(Site("torch.nn.utils.parametrizations:_Orthogonal.forward", "_wrap_orthogonal_forward"),),
-    checked={"torch": ">=2.11,<2.14"},
+    sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
+    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
-    on_unpatch="_release_graphs",
+    on_unpatch="_release",
 )
 
 
@@ -70,33 +84,87 @@ WARM_CALLS = 3
 GRAPHS = True
 
 
+#: Set by ``patch()``, cleared by ``unpatch()``: whether ``ReftOrthogonal`` runs the fixes or torch's forward.
+_active = False
+#: Every orthogonal parametrization adopted for pyvene (``adopt``), swapped while patched.
+_adopted: "weakref.WeakSet[_Orthogonal]" = weakref.WeakSet()
+
+
 def _configure(options) -> None:
-    global GRAPHS
+    global GRAPHS, _active
     if options.cuda_graphs is not None:
         GRAPHS = options.cuda_graphs
-        return
-    switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
-    GRAPHS = switch == "1"
+    else:
+        switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
+        if switch not in ("0", "1"):
+            raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
+        GRAPHS = switch == "1"
+    _active = True
+    for module in list(_adopted):
+        _swap(module, _Orthogonal, ReftOrthogonal)
 
 
-def _wrap_orthogonal_forward(wrapped, instance, args, kwargs):
-    (X,) = args
-    if X.dtype in _HALF:
-        return wrapped(X.float()).to(X.dtype)
-    replayed = rotation(instance, X) if GRAPHS else None
-    return replayed if replayed is not None else wrapped(X)
+def _release() -> None:
+    """Give the adopted modules torch's class back and free every captured rotation (its graphs and their
+    memory pool): unpatched, rotations are torch's."""
+    global _active
+    _active = False
+    for module in list(_adopted):
+        _swap(module, ReftOrthogonal, _Orthogonal)
+    with _lock:
+        _graphs.clear()
+
+
+def _swap(module, found: type, to: type) -> None:
+    if type(module) is found:
+        module.__class__ = to
+
+
+def _wrap_base_model_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    adopt(instance.interventions)
+
+
+def adopt(module: torch.nn.Module) -> None:
+    """Give every torch orthogonal parametrization in ``module`` (pyvene's interventions) this fix's
+    forward: now if patched, else from the next ``patch()`` on; torch's own again after ``unpatch()``."""
+    for submodule in module.modules():
+        if type(submodule) in (_Orthogonal, ReftOrthogonal):
+            _adopted.add(submodule)
+            if _active:
+                _swap(submodule, _Orthogonal, ReftOrthogonal)
+
+
+class ReftOrthogonal(_Orthogonal):
+    """torch's orthogonal map as a pyvene intervention's rotation (see the module docstring). Its class is
+    swapped in for an existing ``_Orthogonal``, never constructed."""
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        if not _active:  # a copy made while patched, used after unpatch()
+            return super().forward(X)
+        if X.dtype in _HALF:
+            return _eager(self, X.float()).to(X.dtype)
+        replayed = rotation(self, X) if GRAPHS else None
+        return replayed if replayed is not None else _eager(self, X)
+
+
+def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
+    """torch's ``_Orthogonal.forward``, op for op; for the Householder map the product is
+    ``fixes.householder``'s (the same forward call, a closed-form backward) when that fix is applied."""
+    if not householder.CLOSED_FORM or orthogonal.orthogonal_map != _OrthMaps.householder:
+        return _Orthogonal.forward(orthogonal, X)
+    transposed = X.size(-2) < X.size(-1)
+    if transposed:
+        X = X.mT
+    A, tau, signs = _reflectors(X)
+    Q = householder.householder_product(A, tau) * signs
+    if hasattr(orthogonal, "base"):
+        Q = orthogonal.base @ Q
+    return Q.mT if transposed else Q
 
 
 _graphs: "weakref.WeakKeyDictionary[torch.nn.Module, _Graphs]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-
-
-def _release_graphs() -> None:
-    """Free every captured rotation (its graphs and their memory pool): unpatched, rotations run eagerly."""
-    with _lock:
-        _graphs.clear()
 
 
 def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
