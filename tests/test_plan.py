@@ -22,11 +22,7 @@ TOLERANCE = 0.15
 #: Rows not compared, and why (docs/plan.md says the same).
 NOT_COMPARED = {"zero3-nvme": "parameters and optimizer state swapped to NVMe files: plan has no NVMe strategy"}
 #: Rows plan misses by more than TOLERANCE (strict: the test fails once plan gets them right).
-KNOWN_MISSES = {
-    ("checkpointing-1xH200.jsonl", 2): "eager attention, 2 x 2048 tokens, checkpointing: plan 5.58 GiB, measured "
-    "6.62 (-15.6%); the same case on CPU is within 3% (test_activations_match_a_measured_cpu_step), so the H200 "
-    "holds about one more fp32 [heads, seq, seq] tensor in attention's backward than the CPU does, not established why",
-}
+KNOWN_MISSES: dict = {}  # (results file, row number) -> why the plan misses it: none now
 STRATEGY_OF_ROW = {"single": "ddp", "independent": "ddp"}  # one process per GPU, each holding the whole model
 #: benchmarks/scaling.py puts LoReFT at layers 2 and 8 of llama-1b (rank 4); rows before it recorded the
 #: attention implementation ran eager (pyvene_dist.testing.models builds eager).
@@ -128,7 +124,7 @@ def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
 
         step(batches[0])  # Adam's state and the gradients' buffers exist from here on, as in a run's later steps
         measured = peak_bytes_allocated(lambda: step(batches[1]))
-    run = plan.Run(batch=2, seq_len=128, dtype=dtype, layers=(1, 3), attention=attention)
+    run = plan.Run(batch=2, seq_len=128, dtype=dtype, layers=(1, 3), attention=attention, device="cpu")
     found = plan.estimate(plan.shape_of(plan.meta_model("llama", hidden=64, layers=6)), run, "ddp")
     estimated = found.activations_checkpointed if checkpointing else found.activations
     off = (estimated - measured) / measured
