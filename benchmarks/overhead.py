@@ -128,14 +128,17 @@ def main(argv=None) -> int:
 
 
 def _without_rotation_graphs(step):
-    from pyvene_dist.fixes import orthogonal
+    import dataclasses
+
+    from pyvene_dist._registry import REGISTRY
 
     def eager_step():
-        graphs, orthogonal.GRAPHS = orthogonal.GRAPHS, False
+        options = REGISTRY.options
+        REGISTRY.options = dataclasses.replace(options, cuda_graphs=False)
         try:
             step()
         finally:
-            orthogonal.GRAPHS = graphs  # as patch() set it (PYVENE_DIST_CUDA_GRAPHS=0 leaves it off)
+            REGISTRY.options = options  # as patch() set it (PYVENE_DIST_CUDA_GRAPHS=0 leaves it off)
 
     return eager_step
 

@@ -42,8 +42,9 @@ def patch(
     if cuda_graphs not in (None, True, False):
         raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None")
     fixes = select(only, exclude)
-    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=cuda_graphs)
+    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=_cuda_graphs(cuda_graphs))
     _versions.check(fixes, options.allow_unsupported)
+    REGISTRY.options = options
     try:
         for fix in fixes:
             fix.patch(REGISTRY, options)
@@ -51,6 +52,18 @@ def patch(
         REGISTRY.restore_all()
         raise
     REGISTRY.active = True
+
+
+def _cuda_graphs(cuda_graphs: bool | None) -> bool:
+    """``patch()``'s ``cuda_graphs``, else ``PYVENE_DIST_CUDA_GRAPHS`` (0 or 1), else on."""
+    import os
+
+    if cuda_graphs is not None:
+        return cuda_graphs
+    switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
+    return switch == "1"
 
 
 def unpatch() -> None:

@@ -49,10 +49,12 @@ class FixError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What ``patch()`` was asked for, handed to each fix's ``on_patch``."""
+    """What ``patch()`` was asked for, handed to each fix's ``on_patch`` and kept while patched
+    (``REGISTRY.options``), where the fixes read their switches at run time."""
 
     allow_unsupported: bool = False
-    cuda_graphs: bool | None = None  # None: from PYVENE_DIST_CUDA_GRAPHS
+    #: ``orthogonal``'s CUDA graphs; ``patch()`` resolves None from PYVENE_DIST_CUDA_GRAPHS.
+    cuda_graphs: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Fix:
 
     def patch(self, registry: "Registry", options: Options = Options()) -> None:
         """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
+        registry.applied.add(self.name)
         if self.on_patch is not None:
             self.resolve(self.on_patch)(options)
         if self.on_unpatch is not None:
@@ -242,6 +245,9 @@ class Registry:
         #: What the fixes keep per pyvene model (``pyvene_dist._state``); ``restore_all`` closes it all.
         self.models = ModelStates()
         self.active = False
+        #: While patched: the ``Options`` of ``patch()`` (switches resolved), and the names of the fixes applied.
+        self.options: Options | None = None
+        self.applied: set[str] = set()
 
     @property
     def sites(self) -> tuple[Wrap, ...]:
@@ -336,6 +342,8 @@ class Registry:
         self._sites.clear()
         self._deferred.clear()
         self.active = False
+        self.options = None
+        self.applied = set()
         self.models.close_all()
         undo, self._on_restore = self._on_restore, []
         for step in reversed(undo):

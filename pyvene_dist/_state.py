@@ -5,8 +5,14 @@
 its own), created on first use; ``REGISTRY.models.get(model)`` reads it without creating one.
 The map holds models weakly: a state never keeps its model alive, and nothing is written on the model.
 
-A state is torn down (``ModelState.close``: the hooks it registered removed, what it holds dropped)
-when its model is garbage collected and when ``unpatch()`` runs, for every model at once.
+A part of a model that must find its model's state without knowing the model (``orthogonal``'s
+rotations, torch modules that pyvene's interventions hold) is registered with ``REGISTRY.models.add_part``
+and found with ``REGISTRY.models.of_part(part)``: a map part -> model owned by the registry, weak both
+ways (nothing is written on the part, and the part keeps neither the state nor the model alive).
+
+A state is torn down (``ModelState.close``: the hooks it registered removed, the rotations it adopted
+given torch's class back, what it holds dropped) when its model is garbage collected and when
+``unpatch()`` runs, for every model at once.
 """
 
 from __future__ import annotations
@@ -35,9 +41,15 @@ class ModelState:
     replica_device: Any = None
     #: ``data_parallel``: devices whose Householder product was initialised from the calling thread.
     warmed_devices: set = dataclasses.field(default_factory=set)
+    #: ``orthogonal``: each torch orthogonal parametrization adopted for this model -> torch's class, which
+    #: it is given back at close (its class is ``ReftOrthogonal`` while patched).
+    rotations: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    #: ``orthogonal``: rotation -> its captured CUDA graphs (and their memory pool).
+    graphs: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
     def close(self) -> None:
-        """Remove every hook this state registered and drop what it holds."""
+        """Remove every hook this state registered, give the adopted rotations torch's class back and drop
+        what it holds."""
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
@@ -51,6 +63,11 @@ class ModelState:
         self.reduced = weakref.WeakKeyDictionary()
         self.replica_device = None
         self.warmed_devices = set()
+        for rotation, torchs in list(self.rotations.items()):
+            if type(rotation) is not torchs:
+                rotation.__class__ = torchs
+        self.rotations = weakref.WeakKeyDictionary()
+        self.graphs = weakref.WeakKeyDictionary()
 
 
 class ModelStates:
@@ -59,6 +76,8 @@ class ModelStates:
     def __init__(self) -> None:
         self._states: "weakref.WeakKeyDictionary[Any, ModelState]" = weakref.WeakKeyDictionary()
         self._finalizers: "weakref.WeakKeyDictionary[Any, weakref.finalize]" = weakref.WeakKeyDictionary()
+        #: part of a model -> a weak reference to that model (``add_part``); kept through ``close_all``.
+        self._parts: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # DataParallel's replicas run in threads of their own
 
     def of(self, model) -> ModelState:
@@ -78,6 +97,24 @@ class ModelStates:
     def get(self, model) -> ModelState | None:
         """The state of ``model``, or None if no fix kept any for it."""
         return self._states.get(model)
+
+    def add_part(self, part, model) -> None:
+        """Let ``part`` (an object of ``model``, which does not know it) find ``model``'s state: ``of_part``.
+        The relation outlives ``unpatch()`` (it holds neither object), so a later ``patch()`` can restore
+        what the state held: ``parts()``."""
+        self._parts[part] = weakref.ref(model)
+
+    def of_part(self, part) -> ModelState | None:
+        """The state of the model ``part`` was added for (``add_part``), or None: not added, its model
+        collected, or no state since ``unpatch()``."""
+        ref = self._parts.get(part)
+        model = ref() if ref is not None else None
+        return self._states.get(model) if model is not None else None
+
+    def parts(self) -> list[tuple[Any, Any]]:
+        """Every (part, model) added whose model is alive."""
+        pairs = [(part, ref()) for part, ref in list(self._parts.items())]
+        return [(part, model) for part, model in pairs if model is not None]
 
     def __len__(self) -> int:
         return len(self._states)

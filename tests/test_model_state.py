@@ -35,8 +35,10 @@ def _handles_during_forward(model) -> list:
 
 def test_the_state_is_found_from_the_model(patched):
     """pyvene's hook handles are in the model's own state while it runs, and gone from it after."""
+    stranger = torch.nn.Linear(2, 2)
+    assert REGISTRY.models.get(stranger) is None and REGISTRY.models.get(stranger) is None  # reading creates nothing
     model = reft_model(tiny_llama())
-    assert REGISTRY.models.get(model) is None  # reading creates nothing
+    assert REGISTRY.models.get(model).handles == []  # created when pyvene built it (its adopted rotations)
     assert _handles_during_forward(model) == [2]  # one setter per intervention (layers 0 and 1)
     assert REGISTRY.models.get(model) is REGISTRY.models.of(model)
     assert REGISTRY.models.get(model).handles == []
@@ -87,6 +89,28 @@ def test_the_state_is_closed_when_the_model_is_collected(patched):
     assert state.handles == [] and len(REGISTRY.models) == 0
 
 
+def test_a_models_rotations_are_torchs_again_and_their_graphs_dropped_when_it_is_collected(patched):
+    """The rotations pyvene's model adopted (``orthogonal``) are in its state; when the model goes, a rotation
+    that outlives it gets torch's class back and its graphs are dropped, while still patched."""
+    from torch.nn.utils.parametrizations import _Orthogonal
+
+    from pyvene_dist.fixes.orthogonal import ReftOrthogonal, graphs_of
+
+    model = reft_model(tiny_llama())
+    rotations = [m for m in model.interventions.modules() if isinstance(m, _Orthogonal)]
+    state = REGISTRY.models.get(model)
+    assert rotations and set(state.rotations) == set(rotations)
+    assert all(type(rotation) is ReftOrthogonal for rotation in rotations)
+    for rotation in rotations:
+        state.graphs[rotation] = object()  # what a capture on a GPU leaves: its graphs and their pool
+        assert REGISTRY.models.of_part(rotation) is state and graphs_of(rotation) is not None
+    del model
+    gc.collect()
+    assert [type(rotation) for rotation in rotations] == [_Orthogonal] * len(rotations)
+    assert len(state.graphs) == 0 and len(state.rotations) == 0
+    assert all(REGISTRY.models.of_part(rotation) is None for rotation in rotations)
+
+
 def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
     """A replica's device is kept in the replica's state; its original's state and ``__dict__`` are untouched."""
     from pyvene_dist.fixes.data_parallel import _make_independent
@@ -96,7 +120,7 @@ def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
     _make_independent(replica, model, torch.device("meta"))
     assert replica.get_device() == torch.device("meta")
     assert REGISTRY.models.get(replica).replica_device == torch.device("meta")
-    assert REGISTRY.models.get(model) is None
+    assert REGISTRY.models.get(model).replica_device is None
     assert not any(name.startswith("_pyvene_dist") for name in vars(replica)), "written on pyvene's object"
 
 

@@ -10,12 +10,12 @@ Everywhere: only pyvene's interventions get the fixes; a user's own orthogonal l
 """
 
 import warnings
-import weakref
 
 import pytest
 import torch
 
 import pyvene_dist
+from pyvene_dist._registry import REGISTRY
 from pyvene_dist.fixes import orthogonal as graphed
 
 
@@ -165,7 +165,7 @@ def test_captured_backward_is_the_gradient_of_torchs_forward():
 def test_the_switch(monkeypatch, value, graphs):
     monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", value)
     with pyvene_dist.patched():
-        assert graphed.GRAPHS is graphs
+        assert REGISTRY.options.cuda_graphs is graphs
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
@@ -176,17 +176,17 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
     monkeypatch.setattr(graphed, "rotation", lambda orthogonal, X: asked.append(X) and None)
     rotate = _rotation()
     with pyvene_dist.patched(cuda_graphs=cuda_graphs):
-        assert graphed.GRAPHS is cuda_graphs
+        assert REGISTRY.options.cuda_graphs is cuda_graphs
         rotate.weight
     assert bool(asked) is cuda_graphs
 
 
-def test_unpatch_releases_captured_rotations(monkeypatch):
-    monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
+def test_unpatch_releases_captured_rotations():
     orthogonal, _ = _parts(_rotation())
     with pyvene_dist.patched():
-        graphed._graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
-    assert orthogonal not in graphed._graphs
+        state = REGISTRY.models.of_part(orthogonal)
+        state.graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
+    assert orthogonal not in state.graphs and graphed.graphs_of(orthogonal) is None
 
 
 def test_a_bad_cuda_graphs_argument_is_refused_naming_it():
@@ -270,7 +270,7 @@ def test_replays_follow_optimizer_updates_with_torchs_results(monkeypatch):
         with pyvene_dist.patched():
             weight = rotate.weight
             _loss(weight).backward()
-            assert graphed._graphs[orthogonal].forward_graph is not None, f"step {step}: not replayed"
+            assert graphed.graphs_of(orthogonal).forward_graph is not None, f"step {step}: not replayed"
         assert torch.equal(weight, expected), f"step {step}: forward differs"
         error = _relative_error(X.grad, expected_grad)
         print(f"step {step}: gradient relative error {error:.2e}")
@@ -301,15 +301,15 @@ def test_a_new_storage_is_captured_again(patched):
     orthogonal, original = _parts(rotate)
     for _ in range(graphed.WARM_CALLS + 1):
         rotate.weight
-    first = graphed._graphs[orthogonal]
+    first = graphed.graphs_of(orthogonal)
     assert first.forward_graph is not None
     original.data = original.data.clone()  # a new storage, as a move or an assigning load gives
     with torch.no_grad():
         original.data[1, 0] += 0.5
     for _ in range(graphed.WARM_CALLS + 1):
         weight = rotate.weight
-    assert graphed._graphs[orthogonal] is not first
-    assert graphed._graphs[orthogonal].forward_graph is not None
+    assert graphed.graphs_of(orthogonal) is not first
+    assert graphed.graphs_of(orthogonal).forward_graph is not None
     pyvene_dist.unpatch()
     assert torch.equal(weight, orthogonal(original))  # torch's own forward of the changed matrix
 
@@ -317,10 +317,10 @@ def test_a_new_storage_is_captured_again(patched):
 @pytest.mark.gpus(1)
 def test_an_update_between_forward_and_backward_is_refused_as_eager(patched):
     rotate = _rotation("cuda", hidden=256)
-    _, original = _parts(rotate)
+    orthogonal, original = _parts(rotate)
     for _ in range(graphed.WARM_CALLS + 1):
         weight = rotate.weight
-    assert graphed._graphs, "not captured"
+    assert graphed.graphs_of(orthogonal).forward_graph is not None, "not captured"
     with torch.no_grad():
         original.add_(0.01)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -339,7 +339,7 @@ def test_under_autocast_replays_equal_eager_and_a_new_state_is_captured_again(pa
         _loss(weight.float()).backward()
         results[autocast] = weight.detach().clone(), X.grad.clone()
         X.grad = None
-        assert graphed._graphs[orthogonal].forward_graph is not None, f"autocast={autocast}: not replayed"
+        assert graphed.graphs_of(orthogonal).forward_graph is not None, f"autocast={autocast}: not replayed"
     pyvene_dist.unpatch()
     for autocast, (weight, grad) in results.items():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -376,14 +376,16 @@ def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch
     from pyvene_dist.testing.parity import Strategy
 
     case = ParityCase(steps=4)
-    monkeypatch.setattr(graphed, "_graphs", weakref.WeakKeyDictionary())
+    captured = []  # the models' states go with the models: count the captures as they happen
+    capture = graphed._Graphs.capture
+    monkeypatch.setattr(graphed._Graphs, "capture", lambda graphs, *args: captured.append(capture(graphs, *args)))
     pyvene_dist.unpatch()
     pyvene_dist.patch(cuda_graphs=False)
     eager = train(case, Strategy("cuda:0"))
-    assert not graphed._graphs
+    assert not captured
     pyvene_dist.unpatch()
     pyvene_dist.patch(cuda_graphs=True)
     monkeypatch.setattr(graphed, "WARM_CALLS", 1)
     replayed = train(case, Strategy("cuda:0"))
-    assert graphed._graphs, "no rotation was captured"
+    assert captured, "no rotation was captured"
     assert_parity(eager, replayed, case.tolerance)

@@ -12,13 +12,25 @@ column's sign read from the diagonal, times a fixed orthogonal ``base`` buffer. 
 among its interventions becomes a ``ReftOrthogonal`` (its class is swapped; nothing else about the module
 changes, its state dict included), whose forward holds both fixes below and, where they do not apply,
 torch's forward op for op, its Householder product given ``fixes.householder``'s closed-form backward
-when that fix is applied. ``adopt(module)`` does the same for interventions built some other way,
-and for a model built before ``patch()`` (``adopt(model.interventions)``), whose rotations are otherwise
-torch's: eager, and under DeepSpeed's bf16 mode failing as below.
-``unpatch()`` gives the adopted modules torch's class back and a later ``patch()`` swaps them again (a
-weak record); a copy made while patched (``deepcopy``, a DataParallel replica) keeps the class and runs
-torch's forward while unpatched. A user's own orthogonal layer keeps torch's eager path, double
-backward included.
+when that fix is applied. ``adopt(module, model=None)`` does the same for interventions built some other
+way, and for a model built before ``patch()`` (``adopt(model.interventions, model=model)``), whose
+rotations are otherwise torch's: eager, and under DeepSpeed's bf16 mode failing as below.
+
+**State.** The adopted rotations and their graphs are the model's runtime state
+(``pyvene_dist._state``): ``ModelState.rotations`` and ``ModelState.graphs`` of the pyvene model that
+adopted them (of the rotation itself when ``adopt`` names no model). A rotation finds that state at
+forward time through the registry's weak map ``REGISTRY.models.of_part(rotation)``, not through an
+attribute: a reference written on the module would be copied into a ``deepcopy`` or a DataParallel
+replica (which copies ``__dict__``) and, given torch's class back, left on torch's object. When the
+model is collected, and for every model at ``unpatch()``, the state's ``close`` gives its rotations
+torch's class back and drops their graphs (and memory pools). The registry's map (rotation -> model,
+weak both ways) outlives ``unpatch()``: a later ``patch()`` records each rotation of a live model in a
+new state and swaps its class again. A copy made while patched
+(``deepcopy``, a DataParallel replica) keeps the class but has no state: it runs the fixes below eagerly
+while patched, torch's forward while unpatched. A user's own orthogonal layer keeps torch's eager path,
+double backward included. The graphs' switch is configuration, read from ``patch()``'s options
+(``REGISTRY.options.cuda_graphs``). The module keeps no state of its own (its ``_lock`` only serialises
+captures).
 
 **Half precision.** DeepSpeed's ``bf16`` (and ``fp16``) mode casts every parameter, the rotation's raw
 matrix included (not the float32 ``base``), and ``torch.linalg.householder_product`` has no
@@ -48,22 +60,21 @@ change. In-place updates (optimizer steps, ``load_state_dict``'s copies) are see
 the graphs read the storage itself; an update between a forward and its backward fails as autograd's own
 check does.
 A capture that fails (out of memory, say) warns once and leaves that rotation eager.
-``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()`` turns the graphs off (torch's eager rotation).
+``patch(cuda_graphs=False)``, or ``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()``, turns the graphs off (torch's
+eager rotation).
 
 Checked with torch 2.11 and 2.13 and deepspeed 0.19.8.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
-import weakref
 
 import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 from . import checkpointing, householder
 from .data_parallel import is_replica
 
@@ -72,7 +83,6 @@ FIX = Fix(
     sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
-    on_unpatch="_release",
 )
 
 
@@ -80,39 +90,14 @@ _HALF = (torch.bfloat16, torch.float16)
 #: The call (with the same storage and settings) at which the graphs are captured: the calls before it
 #: stay eager, so that a rotation used once (an evaluation, a setup) costs no capture.
 WARM_CALLS = 3
-#: Set by ``patch()``: its ``cuda_graphs``, else ``PYVENE_DIST_CUDA_GRAPHS``.
-GRAPHS = True
-
-
-#: Set by ``patch()``, cleared by ``unpatch()``: whether ``ReftOrthogonal`` runs the fixes or torch's forward.
-_active = False
-#: Every orthogonal parametrization adopted for pyvene (``adopt``), swapped while patched.
-_adopted: "weakref.WeakSet[_Orthogonal]" = weakref.WeakSet()
 
 
 def _configure(options) -> None:
-    global GRAPHS, _active
-    if options.cuda_graphs is not None:
-        GRAPHS = options.cuda_graphs
-    else:
-        switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
-        if switch not in ("0", "1"):
-            raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
-        GRAPHS = switch == "1"
-    _active = True
-    for module in list(_adopted):
-        _swap(module, _Orthogonal, ReftOrthogonal)
-
-
-def _release() -> None:
-    """Give the adopted modules torch's class back and free every captured rotation (its graphs and their
-    memory pool): unpatched, rotations are torch's."""
-    global _active
-    _active = False
-    for module in list(_adopted):
-        _swap(module, ReftOrthogonal, _Orthogonal)
-    with _lock:
-        _graphs.clear()
+    """Give every rotation adopted so far (while unpatched, or before an ``unpatch()``) this fix's class,
+    recording it again in its model's state."""
+    for part, model in REGISTRY.models.parts():
+        if type(part) in (_Orthogonal, ReftOrthogonal):
+            _adopt(part, model)
 
 
 def _swap(module, found: type, to: type) -> None:
@@ -122,17 +107,29 @@ def _swap(module, found: type, to: type) -> None:
 
 def _wrap_base_model_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
-    adopt(instance.interventions)
+    adopt(instance.interventions, model=instance)
 
 
-def adopt(module: torch.nn.Module) -> None:
+def adopt(module: torch.nn.Module, model=None) -> None:
     """Give every torch orthogonal parametrization in ``module`` (pyvene's interventions) this fix's
-    forward: now if patched, else from the next ``patch()`` on; torch's own again after ``unpatch()``."""
+    forward: now if patched, else from the next ``patch()`` on. Each belongs to ``model`` (pyvene's model,
+    when it builds one), else to itself: it is recorded in that owner's state, and given torch's class
+    back when the owner is collected and at ``unpatch()`` (a later ``patch()`` swaps it again)."""
     for submodule in module.modules():
         if type(submodule) in (_Orthogonal, ReftOrthogonal):
-            _adopted.add(submodule)
-            if _active:
-                _swap(submodule, _Orthogonal, ReftOrthogonal)
+            previous = REGISTRY.models.of_part(submodule)
+            if previous is not None:  # adopted before, maybe for another owner: recorded once
+                previous.rotations.pop(submodule, None)
+                previous.graphs.pop(submodule, None)
+            REGISTRY.models.add_part(submodule, submodule if model is None else model)
+            if FIX.name in REGISTRY.applied:
+                _adopt(submodule, submodule if model is None else model)
+
+
+def _adopt(rotation, model) -> None:
+    """While patched: record ``rotation`` in ``model``'s state and give it this fix's class."""
+    REGISTRY.models.of(model).rotations[rotation] = _Orthogonal
+    _swap(rotation, _Orthogonal, ReftOrthogonal)
 
 
 class ReftOrthogonal(_Orthogonal):
@@ -140,11 +137,11 @@ class ReftOrthogonal(_Orthogonal):
     swapped in for an existing ``_Orthogonal``, never constructed."""
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        if not _active:  # a copy made while patched, used after unpatch()
+        if FIX.name not in REGISTRY.applied:  # a copy made while patched, used after unpatch()
             return super().forward(X)
         if X.dtype in _HALF:
             return _eager(self, X.float()).to(X.dtype)
-        replayed = rotation(self, X) if GRAPHS else None
+        replayed = rotation(self, X) if REGISTRY.options.cuda_graphs else None
         return replayed if replayed is not None else _eager(self, X)
 
 
@@ -163,19 +160,28 @@ def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
     return Q.mT if transposed else Q
 
 
-_graphs: "weakref.WeakKeyDictionary[torch.nn.Module, _Graphs]" = weakref.WeakKeyDictionary()
+#: Serialises captures (DataParallel's threads); a lock, no state: the graphs are the model's.
 _lock = threading.Lock()
+
+
+def graphs_of(orthogonal) -> "_Graphs | None":
+    """The graphs ``rotation`` keeps for ``orthogonal`` in its model's state, or None."""
+    state = REGISTRY.models.of_part(orthogonal)
+    return state.graphs.get(orthogonal) if state is not None else None
 
 
 def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     """``orthogonal(X)`` from CUDA graphs, or ``None`` where they do not apply (see the module docstring)."""
     if not _applies(orthogonal, X):
         return None
+    state = REGISTRY.models.of_part(orthogonal)
+    if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
+        return None
     key = _key(orthogonal, X)
     with _lock:
-        graphs = _graphs.get(orthogonal)
+        graphs = state.graphs.get(orthogonal)
         if graphs is None or graphs.key != key:
-            graphs = _graphs[orthogonal] = _Graphs(key)
+            graphs = state.graphs[orthogonal] = _Graphs(key)
         if graphs.forward_graph is None:
             graphs.calls += 1
             if graphs.calls < WARM_CALLS or graphs.failed:
