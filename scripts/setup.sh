@@ -17,8 +17,12 @@ pip install --no-build-isolation "deepspeed==0.19.8"
 # Build DeepSpeed's shared-memory communication op now: every DeepSpeed process on CPU loads it when it joins
 # the process group, and the first ones would otherwise build it there (minutes on a loaded machine), each
 # waiting on the others' lock, inside the tests' time limits.
+# A build killed midway leaves its lock behind, and torch's next build of the op would wait on it forever:
+# a lock older than the longest build goes, and the build is given at most 15 minutes.
 if .venv/bin/python -c "import deepspeed" 2>/dev/null; then
-    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator; \
+    find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -path '*deepspeed_shm_comm/lock' -mmin +15 \
+        -print -delete 2>/dev/null || true
+    DS_ACCELERATOR=cpu timeout 900 .venv/bin/python -c "from deepspeed.accelerator import get_accelerator; \
 get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
         || echo "setup: DeepSpeed's shm comm op did not build; DeepSpeed on CPU will build it at first use" >&2
 else

@@ -34,8 +34,10 @@ def patch_upstream(folder: Path) -> None:
 
     Those copies must be what is imported, and their ``FIXES`` must name every fix with a diff
     (``patch()`` would skip those). Only the runtime-only fixes are applied (torch's DataParallel,
-    DDP and FSDP setup), and of pyvene they wrap nothing but ``BaseModel.get_device``, for DataParallel
-    replicas. Concerns that are neither (performance fast paths) are left off: parity needs none.
+    DDP, FSDP and tensor-parallel setup, torch's orthogonal parametrization), and of pyvene they wrap
+    nothing but ``BaseModel.get_device`` (DataParallel replicas), ``BaseModel.__init__`` (where
+    ``fixes.orthogonal`` finds pyvene's rotations) and the two interventions-forward waits (tensor
+    parallel). Concerns that are neither (performance fast paths) are left off: parity needs none.
     """
     import pyreft
     import pyvene
@@ -54,7 +56,8 @@ def patch_upstream(folder: Path) -> None:
     touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
-    if touched != ["pyvene.models.intervenable_base.BaseModel.get_device", *tensor_parallel]:
+    base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
+    if sorted(touched) != sorted([*base_model, *tensor_parallel]):
         raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 
