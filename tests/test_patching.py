@@ -287,3 +287,16 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_fix_rebinds_a_module_global():
+    """Runtime state lives in the model's state object and switches in ``REGISTRY.options``/``.applied``
+    (docs/architecture.md): a ``global`` statement in a fix is state that outlives ``unpatch()``."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "pyvene_dist" / "fixes"
+    found = [f"{path.name}:{node.lineno} global {', '.join(node.names)}"
+             for path in sorted(folder.glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.Global, ast.Nonlocal))]
+    assert not found, f"fixes rebinding module globals: {found}"

@@ -29,9 +29,9 @@ untouched. Gradients agree with torch's to rounding (float64: relative 1e-10 in 
 differences). The backward is not itself differentiable (no double backward through the rotation).
 
 Only pyvene's interventions get it: ``torch.linalg.householder_product`` stays torch's for every caller.
-``householder_product`` here is the closed-form call, and the fix has no site of its own: it switches on
-(``CLOSED_FORM``) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the parametrization that
-fix gives the interventions' rotations, which it therefore requires. A user's own orthogonal layer in
+``householder_product`` here is the closed-form call, and the fix has no site of its own: while it is
+applied (``REGISTRY.applied`` names it) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the
+parametrization that fix gives the interventions' rotations, calls it; hence it requires that fix. A user's own orthogonal layer in
 the same process keeps torch's forward and backward, double backward included.
 
 The slow backward is torch's (``householder_product_backward``), which pyvene and pyreft do not own:
@@ -49,25 +49,10 @@ FIX = Fix(
     sites=(),  # it acts through fixes.orthogonal's ReftOrthogonal, on pyvene's interventions only
     requires=("orthogonal",),
     checked={"torch": ">=2.11,<2.14"},
-    on_patch="_switch_on",
-    on_unpatch="_switch_off",
 )
 
 
 _EXACT = (torch.float32, torch.float64)
-#: Set by ``patch()``: whether ``ReftOrthogonal``'s eager rotation calls ``householder_product`` here
-#: (else torch's).
-CLOSED_FORM = False
-
-
-def _switch_on(options) -> None:
-    global CLOSED_FORM
-    CLOSED_FORM = True
-
-
-def _switch_off() -> None:
-    global CLOSED_FORM
-    CLOSED_FORM = False
 
 
 def householder_product(*args, **kwargs) -> torch.Tensor:

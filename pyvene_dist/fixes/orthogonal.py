@@ -148,7 +148,7 @@ class ReftOrthogonal(_Orthogonal):
 def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
     """torch's ``_Orthogonal.forward``, op for op; for the Householder map the product is
     ``fixes.householder``'s (the same forward call, a closed-form backward) when that fix is applied."""
-    if not householder.CLOSED_FORM or orthogonal.orthogonal_map != _OrthMaps.householder:
+    if householder.FIX.name not in REGISTRY.applied or orthogonal.orthogonal_map != _OrthMaps.householder:
         return _Orthogonal.forward(orthogonal, X)
     transposed = X.size(-2) < X.size(-1)
     if transposed:
