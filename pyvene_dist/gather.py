@@ -8,10 +8,17 @@ kept: partitioned again on exit (from rank 0, which read the same file as every 
 the optimizer's fp32 master weights, which ZeRO (every stage) keeps apart from the model's and would
 otherwise write back over the loaded values at the next step.
 
-A rank that enters the gather alone (``if rank == 0: save_intervention(...)``, the pattern of pyreft's
-multi-GPU example) would wait forever for the others. Before gathering, each rank counts itself in on the
-process group's store; one that finds the others missing after ``ARRIVAL_TIMEOUT_S`` raises an error
-saying to call it on every rank, instead of hanging the job.
+A read needs no gather when this rank already holds every intervention whole: ZeRO-3 keeps the
+parameters of at most ``stage3_param_persistence_threshold`` elements ("persistent": DeepSpeed's default
+100,000, HF's ``"auto"`` 10 x hidden size) gathered on every rank from their first forward on, and
+gathers them again after each step. Saving from rank 0 alone (``if rank == 0: save_intervention(...)``,
+the pattern of pyreft's multi-GPU example) then works, with no collective.
+
+Otherwise (interventions over the threshold, a threshold of 0, before the first forward, or a load) a
+rank that enters the gather alone would wait forever for the others. Before gathering, each rank counts
+itself in on the process group's store; one that finds the others missing after ``ARRIVAL_TIMEOUT_S``
+raises an error saying to call it on every rank (or which threshold keeps them whole), instead of
+hanging the job.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ def partitioned(parameters) -> list[nn.Parameter]:
     return [p for p in parameters if hasattr(p, "ds_id")]
 
 
+def held_whole(parameter: nn.Parameter) -> bool:
+    """Whether ZeRO-3 keeps this partitioned parameter whole on this rank now (persistent, and gathered)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return bool(getattr(parameter, "ds_persist", False)) and parameter.ds_status == ZeroParamStatus.AVAILABLE
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module, *, modify: bool = False) -> Iterator[None]:
     parameters = list(model.interventions.parameters())
@@ -47,17 +61,21 @@ def gathered(model: nn.Module, *, modify: bool = False) -> Iterator[None]:
         if modify:
             _update_optimizer_masters(parameters)
         return
+    if not modify and all(held_whole(p) for p in split):
+        yield  # ZeRO keeps them whole here (persistent and gathered): nothing to collect
+        return
     import deepspeed
 
-    _wait_for_every_rank()
+    _wait_for_every_rank(None if modify else max(p.ds_numel for p in split))
     with deepspeed.zero.GatheredParameters(split, modifier_rank=0 if modify else None):
         yield
         if modify:
             _update_optimizer_masters(parameters)
 
 
-def _wait_for_every_rank() -> None:
+def _wait_for_every_rank(largest: int | None = None) -> None:
     """Return once every rank has reached its gather of the same number; raise if one stays away.
+    ``largest``: for a read, the largest intervention parameter's elements (the error's way out).
 
     The count lives in the default process group's store (each rank numbers its own gathers there), so
     ranks that save and load in step agree on each key without any collective.
@@ -79,6 +97,10 @@ def _wait_for_every_rank() -> None:
                 f"(ZeRO-3 partitions them), and {world - arrived} of {world} never came: call "
                 "save_intervention / load_intervention (and ReftModel.save) on every rank, not only on rank 0; "
                 "rank 0 alone writes the files"
+                + ("" if largest is None else
+                   f"; or, to save from rank 0 alone after training, let ZeRO-3 keep them whole on every rank: "
+                   f"\"stage3_param_persistence_threshold\" of at least {largest} in the DeepSpeed config "
+                   "(they are then gathered from the first forward on)")
             )
         time.sleep(0.01)
         arrived = store.add(key, 0)

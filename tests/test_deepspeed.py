@@ -188,10 +188,42 @@ def test_zero3_save_on_rank_0_alone_is_refused_in_seconds(tmp_path):
                          config=DeepSpeed(3).config(case.batch_size))
     if dist.get_rank() == 0:
         started = time.monotonic()
-        with pytest.raises(RuntimeError, match="call save_intervention / load_intervention .* on every rank"):
+        with pytest.raises(RuntimeError, match="call save_intervention / load_intervention .* on every rank") as error:
             model.save_intervention(str(tmp_path / "saved"))
+        assert '"stage3_param_persistence_threshold" of at least 128' in str(error.value)  # 32 x 4 elements
         assert time.monotonic() - started < 60
     dist.barrier()
+
+
+@pytest.mark.world_size(2, timeout=180)
+def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp_path):
+    """pyreft's multi-GPU example trains, then saves under ``if rank == 0`` (``save_intervention``, and
+    pyreft's ``ReftModel.save``). Under DeepSpeed's default ``stage3_param_persistence_threshold``
+    (100,000 elements) ZeRO-3 keeps interventions this small whole on every rank from their first forward
+    on, so rank 0 saves alone, with no gather: the files hold the trained weights. A gather attempted alone
+    would raise here after 3 s. Reading LoReFT's rotation must not run ZeRO's module hooks on rank 0 alone
+    either: the ranks then trained on out of step, and the next step's gather hung."""
+    from pyvene_dist import gather
+    from pyvene_dist.fixes.checkpoints import STATES_FILE
+    from pyvene_dist.testing.parity import _loss
+
+    helpers.patch()
+    gather.ARRIVAL_TIMEOUT_S = 3.0
+    case = ParityCase()
+    strategy = DeepSpeed(3, zero={"stage3_param_persistence_threshold": 100_000})
+    trained = train(case, strategy)
+    model, saved = strategy.engine.module, tmp_path / "saved"
+    if dist.get_rank() == 0:
+        model.save_intervention(str(saved))
+        model.save(str(tmp_path / "pyreft"))  # pyvene's save, which pyreft's ReftModel.save is
+        states = torch.load(saved / STATES_FILE, weights_only=True)
+        assert set(trained.weights) <= set(states)
+        for name, value in trained.weights.items():
+            assert torch.equal(states[name], value), name
+    dist.barrier()
+    for batch in case.batches(steps=2):  # every rank trains on, in step
+        strategy.backward(_loss(strategy.engine, strategy.shard(batch), strategy.device))
+        strategy.step(None)
 
 
 @pytest.mark.world_size(2, timeout=600)
