@@ -30,4 +30,13 @@ else
 fi
 # libaio for DeepSpeed's NVMe offload, unpacked into .libaio/ (no root needed); without it those tests skip.
 bash scripts/fetch_libaio.sh || echo "setup: libaio not fetched; the NVMe offload tests will skip" >&2
+# Build DeepSpeed's async_io op (NVMe offload) now too, against that libaio: the first NVMe test would
+# otherwise spend about five minutes of the suite compiling it. Bounded, and a stale lock goes, as above.
+if [ -d .libaio ] && .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -path '*async_io/lock' -mmin +15 \
+        -print -delete 2>/dev/null || true
+    DS_ACCELERATOR=cpu timeout 900 .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import helpers; \
+helpers.use_libaio(); from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" \
+        || echo "setup: DeepSpeed's async_io op did not build; the first NVMe test will build it" >&2
+fi
 .venv/bin/python -c "import torch, pyvene, pyreft, deepspeed, pyvene_dist; print('setup ok: torch', torch.__version__)"
