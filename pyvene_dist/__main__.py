@@ -55,7 +55,7 @@ def _gib(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .check import STRATEGIES
+    from .check import CHECKED
     from .testing.models import BASE_MODELS
 
     root = argparse.ArgumentParser(prog="pyvene-dist", description=__doc__,
@@ -70,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
                        help=f"built-in: {', '.join(sorted(BASE_MODELS))} (default: llama); or a local path: a "
                             "directory with config.json (weights loaded when present, else built from the config) "
                             "or a config .json file")
-    check.add_argument("--strategies", type=lambda t: t.split(","), default=list(STRATEGIES),
-                       help=f"comma-separated, of: {', '.join(STRATEGIES)} (default: all)")
+    check.add_argument("--strategies", type=lambda t: t.split(","), default=list(CHECKED),
+                       help=f"comma-separated, of: {', '.join(CHECKED)} (default: all)")
     check.add_argument("--world-sizes", type=_sizes,
                        help="comma-separated ranks per run (default: 2, or 1 on a one-GPU machine); at most one "
                             "rank per GPU, or per CPU core without GPUs")

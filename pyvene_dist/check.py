@@ -12,7 +12,6 @@ machine): more would only take turns on the same cores.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -21,17 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
-from .testing import Record, Strategy, assert_parity, differences, spawn, train
+from .testing import STRATEGIES, Record, Strategy, assert_parity, differences, spawn, train
 from .testing.parity import tolerance
 from .testing.check_runs import CheckCase
-
-#: Given a world size: None when this machine can run it, else why not.
-Requirement = Callable[[int], "str | None"]
-
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported as one line, exit code 2."""
@@ -52,57 +47,14 @@ def rank_devices() -> tuple[int, str]:
     return max(cpu_count(), 2), "CPU cores (one gloo rank per core)"
 
 
-def _ranks(world_size: int) -> str | None:
-    return None  # world sizes are checked against the machine up front (validate)
-
-
-def _gpu_ranks(world_size: int) -> str | None:
-    return None if gpu_count() >= world_size else f"needs {world_size} GPUs, found {gpu_count()}"
-
-
-def _two_gpus(world_size: int) -> str | None:
-    return None if gpu_count() >= 2 else f"needs 2 GPUs, found {gpu_count()}"
-
-
-def _deepspeed(requirement: Requirement) -> Requirement:
-    def check(world_size: int) -> str | None:
-        if importlib.util.find_spec("deepspeed") is None:
-            return "deepspeed not installed"
-        return requirement(world_size)
-
-    return check
-
-
-def _two_dimensional(world_size: int) -> str | None:
-    if world_size >= 4 and world_size % 2 == 0:
-        return None
-    return f"needs a 2-D mesh (data x 2): an even world size of 4 or more, got {world_size}"
-
-
-def _accelerate(world_size: int) -> str | None:
-    return "accelerate not installed" if importlib.util.find_spec("accelerate") is None else None
-
-
-STRATEGIES: dict[str, Requirement] = {
-    "ddp": _ranks,
-    "ddp+checkpointing": _ranks,
-    "fsdp2": _ranks,
-    "fsdp2+checkpointing": _ranks,
-    "accelerate": _accelerate,
-    "tp": _ranks,  # tensor parallel over every rank; the world size must divide the model's key/value heads
-    "tp-fsdp2": _two_dimensional,
-    "hsdp": _two_dimensional,
-    "zero2": _deepspeed(_ranks),
-    "zero3": _deepspeed(_ranks),
-    "zero3+checkpointing": _deepspeed(_ranks),
-    "fsdp1": _gpu_ranks,
-    "fsdp1+checkpointing": _gpu_ranks,
-    "zero3-offload": _deepspeed(_gpu_ranks),
-    "dataparallel": _two_gpus,  # one process over every visible GPU
-    "device_map": lambda n: _accelerate(n) or _two_gpus(n),  # one process, layers split over every visible GPU
-}
-#: Strategies run by one process spanning every visible GPU: listed once, not per world size.
-ONE_PROCESS = frozenset({"dataparallel", "device_map"})
+#: What ``pyvene-dist check`` runs, in this order: names of the harness's ``STRATEGIES`` (which say what
+#: each needs of the machine), ``+checkpointing`` for the same strategy with non-reentrant gradient
+#: checkpointing, compared with the plain reference.
+CHECKED = (
+    "ddp", "ddp+checkpointing", "fsdp2", "fsdp2+checkpointing", "accelerate", "tp", "tp-fsdp2", "hsdp",
+    "zero2", "zero3", "zero3+checkpointing", "fsdp1", "fsdp1+checkpointing", "zero3-offload", "dataparallel",
+    "device_map",
+)
 REFERENCE = "single"
 
 
@@ -120,24 +72,28 @@ class Row:
     detail: str = ""
 
 
+def _registered(strategy: str):
+    return STRATEGIES[strategy.partition("+")[0]]
+
+
 def reason(strategy: str, world_size: int) -> str | None:
     """Why this machine cannot run ``strategy`` at ``world_size``; None when it can. Every strategy
     runs in every dtype the check offers (ZeRO's bf16 is judged by DeepSpeed's bf16 bound)."""
-    return STRATEGIES[strategy](world_size)
+    return _registered(strategy).unavailable(world_size, gpu_count())
 
 
 def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
     """Raise ``UsageError`` for an unknown strategy or more ranks than this machine has devices."""
-    unknown = [name for name in strategies if name not in STRATEGIES and name != REFERENCE]
+    unknown = [name for name in strategies if name not in CHECKED and name != REFERENCE]
     if unknown:
-        raise UsageError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+        raise UsageError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(CHECKED)}")
     devices, what = rank_devices()
     too_many = [size for size in world_sizes if size > devices]
     if too_many:
         raise UsageError(f"--world-sizes {','.join(map(str, too_many))}: this machine has {devices} {what}")
     planned = [(name, size, reason(name, size)) for name, size in plan(strategies, world_sizes)]
     if not planned:
-        raise UsageError(f"no strategy to compare with {REFERENCE}; known: {', '.join(STRATEGIES)}")
+        raise UsageError(f"no strategy to compare with {REFERENCE}; known: {', '.join(CHECKED)}")
     if all(why is not None for _, _, why in planned):
         reasons = "; ".join(f"{name} x{size} {why}" for name, size, why in planned)
         raise UsageError(f"none of the strategies asked for can run here: {reasons}")
@@ -145,9 +101,9 @@ def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
 
 def plan(strategies: Iterable[str], world_sizes: Iterable[int]) -> list[tuple[str, int]]:
     sizes = list(world_sizes)
-    return [(name, max(gpu_count(), 2)) if name in ONE_PROCESS else (name, size)
+    return [(name, max(gpu_count(), 2)) if _registered(name).one_process else (name, size)
             for name in dict.fromkeys(strategies) if name != REFERENCE
-            for size in ([None] if name in ONE_PROCESS else sizes)]
+            for size in ([None] if _registered(name).one_process else sizes)]
 
 
 def default_world_sizes() -> list[int]:
@@ -190,7 +146,8 @@ def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record)
     name, _, variant = strategy.partition("+")
     if variant == "checkpointing":
         case = dataclasses.replace(case, checkpointing="non-reentrant")  # compared with the plain reference
-    processes = 1 if name in ONE_PROCESS else world_size
+    registered = STRATEGIES.get(name)  # an unknown name fails in the ranks, which report it
+    processes = 1 if registered is not None and registered.one_process else world_size
     backend = "nccl" if gpu_count() >= processes else "gloo"
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-check") as workdir:
         out = Path(workdir) / "record.pt"
@@ -216,7 +173,6 @@ def _train_on_rank(case: CheckCase, strategy: str, world_size: int, workdir: str
     import torch.distributed as dist
 
     from . import patch
-    from .testing import check_runs
 
     rank = dist.get_rank()
     log = open(Path(workdir) / f"rank{rank}.log", "w")  # the ranks' chatter stays off the progress bar
@@ -225,12 +181,7 @@ def _train_on_rank(case: CheckCase, strategy: str, world_size: int, workdir: str
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
     patch()
-    if strategy == "accelerate":
-        record = check_runs.train_accelerate(case)
-    elif strategy == "device_map":
-        record = check_runs.train_split(case, list(range(world_size)))
-    else:
-        record = train(case, strategy)
+    record = train(case, strategy)
     memory, label = (_peak_cuda(), CUDA_MEMORY) if torch.cuda.is_available() else (_peak_rss(), CPU_MEMORY)
     peaks = [0] * dist.get_world_size()
     dist.all_gather_object(peaks, memory)

@@ -20,7 +20,8 @@ import json
 import math
 
 GIB = 2**30
-STRATEGIES = ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload", "device_map")
+#: The strategies `pyvene-dist plan` estimates, as named in the harness's registry.
+PLANNED = ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload", "device_map")
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 #: DeepSpeed's own defaults for the ZeRO-3 settings that decide what is held gathered or buffered.
 ZERO_DEFAULTS = {"stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e7, "reduce_bucket_size": 5e8}
@@ -224,8 +225,8 @@ def activation_bytes(shape: Shape, run: Run, layers_here: int | None = None, che
 
 
 def estimate(shape: Shape, run: Run, strategy: str) -> Estimate:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy not in PLANNED:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(PLANNED)}")
     if any(layer < 0 or layer >= shape.layers for layer in run.layers):
         raise ValueError(f"layers {list(run.layers)} are not all within the model's {shape.layers} decoder layers")
     e, n = run.bytes, run.world
@@ -261,7 +262,7 @@ def _zero3_gathered(shape: Shape, zero: dict) -> float:
 
 
 def plan(shape: Shape, run: Run) -> list[Estimate]:
-    return [estimate(shape, run, strategy) for strategy in STRATEGIES]
+    return [estimate(shape, run, strategy) for strategy in PLANNED]
 
 
 #: The share of a GPU's memory an estimate may fill and still "fit": the rest is for the CUDA context,

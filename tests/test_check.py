@@ -14,7 +14,8 @@ import torch
 
 from pyvene_dist import check
 from pyvene_dist.testing import assert_parity, train
-from pyvene_dist.testing.check_runs import CheckCase, model_config, representation_layers, split_map, train_split
+from pyvene_dist.testing.check_runs import CheckCase, model_config, representation_layers, split_map
+from pyvene_dist.testing.parity import DeviceMap
 from pyvene_dist.testing.models import tiny_gpt2, tiny_llama
 
 MORE_RANKS_THAN_ANY_MACHINE = 4096
@@ -89,10 +90,10 @@ def test_split_map_spreads_the_layers_evenly_and_keeps_the_rest_on_the_first_dev
         split_map(tiny_llama(layers=2), [0, 1, 2])
 
 
-def test_train_split_dispatched_on_cpu_matches_one_device(patched):
-    """The device_map run's loop, with accelerate's hooks, on two "devices" that are both the CPU."""
+def test_device_map_dispatched_on_cpu_matches_one_device(patched):
+    """The device_map strategy, with accelerate's hooks, on two "devices" that are both the CPU."""
     case = CheckCase(num_layers=4, layers=(1, 3))
-    split = train_split(case, ["cpu", "cpu"])
+    split = train(case, DeviceMap(devices=["cpu", "cpu"]))
     assert split.world_size == 2
     assert_parity(train(case, "single"), split, case.tolerance)
 
@@ -103,8 +104,8 @@ def test_gpu_only_strategies_are_listed_once_with_their_reason(monkeypatch):
     monkeypatch.setattr(check, "gpu_count", lambda: 0)
     planned = check.plan(["single", "ddp", "dataparallel", "device_map", "fsdp1"], [1, 2])
     assert planned == [("ddp", 1), ("ddp", 2), ("dataparallel", 2), ("device_map", 2), ("fsdp1", 1), ("fsdp1", 2)]
-    assert check.STRATEGIES["fsdp1"](2) == "needs 2 GPUs, found 0"
-    assert check.STRATEGIES["device_map"](2) == "needs 2 GPUs, found 0"
+    assert check.reason("fsdp1", 2) == "needs 2 GPUs, found 0"
+    assert check.reason("device_map", 2) == "needs 2 GPUs, found 0"
 
 
 def test_a_missing_package_is_the_reason(monkeypatch):
@@ -115,7 +116,7 @@ def test_a_missing_package_is_the_reason(monkeypatch):
                         lambda name, *args: None if name in ("deepspeed", "accelerate") else find_spec(name, *args))
     monkeypatch.setattr(check, "gpu_count", lambda: 2)
     names = ("zero2", "zero3-offload", "accelerate", "device_map", "ddp")
-    reasons = {name: check.STRATEGIES[name](2) for name in names}
+    reasons = {name: check.reason(name, 2) for name in names}
     assert reasons == {"zero2": "deepspeed not installed", "zero3-offload": "deepspeed not installed",
                        "accelerate": "accelerate not installed", "device_map": "accelerate not installed", "ddp": None}
 
@@ -226,7 +227,7 @@ def test_the_readme_command_passes_here_within_ten_minutes():
     header, *lines = result.stdout.split("\n\n")[0].splitlines()
     rows = dict(line.split(maxsplit=1) for line in lines if not line.startswith("peak mem:"))
     assert header.split()[:2] == ["strategy", "world"] and rows.pop("single").split()[-1] == "reference"
-    assert set(rows) == set(check.STRATEGIES)
+    assert set(rows) == set(check.CHECKED)
     for name, cells in rows.items():
         if name in GPU_ONLY and not torch.cuda.is_available():
             assert cells.endswith("unavailable: needs 2 GPUs, found 0"), (name, cells)
@@ -283,4 +284,4 @@ def test_every_strategy_agrees_on_gpus():
     print(check.table(rows))
     assert result.returncode == 0, result.stderr[-5000:]
     verdicts = {row.strategy: row.verdict for row in rows}
-    assert verdicts == {"single": "reference", **{name: "agrees" for name in check.STRATEGIES}}
+    assert verdicts == {"single": "reference", **{name: "agrees" for name in check.CHECKED}}

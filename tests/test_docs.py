@@ -53,9 +53,9 @@ LAUNCHERS = "tests/test_launchers.py::test_torchrun_pyreft_trainer_matches_one_p
 ACCELERATE_LAUNCH = "tests/test_accelerate.py::test_accelerate_launch_with_the_documented_config"
 #: The full check runs every strategy, each as `--strategies <name>` alone would (the test asserts every row).
 DEFAULT_CHECK = RunBy("tests/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
-                      ("set(rows) == set(check.STRATEGIES)",))
+                      ("set(rows) == set(check.CHECKED)",))
 GPU_CHECK = RunBy("tests/test_check.py::test_every_strategy_agrees_on_gpus",
-                  ('{name: "agrees" for name in check.STRATEGIES}',), gpus=2)
+                  ('{name: "agrees" for name in check.CHECKED}',), gpus=2)
 UPSTREAM_SERIES = "tests/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
 

@@ -1,10 +1,11 @@
-"""What ``pyvene-dist check`` trains beyond ``parity.train``: a local model of the user's (a directory
-with ``config.json``, weights optional, or a config ``.json`` file), the base model split over GPUs
-with ``device_map``, and accelerate's ``Accelerator.prepare``.
+"""What ``pyvene-dist check`` trains beyond the built-in models: a local model of the user's (a directory
+with ``config.json``, weights optional, or a config ``.json`` file), and the ``device_map`` that splits
+a base model's layers over devices (the harness's ``device_map`` strategy). Training is ``parity.train``'s,
+under any strategy of the registry.
 
     case = CheckCase(model="path/to/model", layers=representation_layers(model_config("path/to/model")))
     reference = train(case, "single")
-    split = train_split(case, [0, 1])             # one process, decoder layers spread over cuda:0 and cuda:1
+    split = train(case, DeviceMap(devices=[0, 1]))  # one process, decoder layers over cuda:0 and cuda:1
     assert_parity(reference, split, case.tolerance)
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from . import models
-from .parity import ParityCase, Record, _loss, intervention_grads, intervention_weights
+from .parity import ParityCase
 
 #: Files whose presence means a local model directory holds weights (else it is built from its config).
 WEIGHT_FILES = (
@@ -110,41 +111,3 @@ def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str |
 
     place("", model)
     return device_map
-
-
-def train_split(case: CheckCase, devices: Sequence[str | int]) -> Record:
-    """Train ``case`` in this process with its base model's layers split over ``devices`` (GPU indices,
-    or "cpu" to try it without GPUs) by ``accelerate.dispatch_model``, as ``from_pretrained(...,
-    device_map=...)`` splits a model; whole batches. The peak is the largest GPU's."""
-    from accelerate import dispatch_model
-
-    from ..optim import param_groups
-
-    main = torch.device("cuda", devices[0]) if isinstance(devices[0], int) else torch.device(devices[0])
-    gpus = sorted({device for device in devices if isinstance(device, int)})
-    base = case.base_model()
-    base = dispatch_model(base, split_map(base, devices), main_device=main)
-    model = case.reft_model(base)
-    model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
-    for gpu in gpus:
-        torch.cuda.reset_peak_memory_stats(gpu)
-    losses, grads = [], []
-    for batch in case.batches():
-        loss = _loss(model, batch, main)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(intervention_grads(model))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    peak = max((torch.cuda.max_memory_allocated(gpu) for gpu in gpus), default=0)
-    return Record("device_map", len(devices), losses, grads, intervention_weights(model), peak)
-
-
-def train_accelerate(case: ParityCase) -> Record:
-    """``hf.train_with_accelerate`` inside an initialised process group (one rank per GPU, else CPU)."""
-    from accelerate import Accelerator
-
-    from .hf import train_with_accelerate
-
-    return train_with_accelerate(case, Accelerator(cpu=not torch.cuda.is_available()))

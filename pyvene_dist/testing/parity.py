@@ -188,6 +188,18 @@ class Strategy:
         """The ReFT model to train (a strategy that loads its base model a special way overrides this)."""
         return case.build()
 
+    def place(self, model: nn.Module) -> nn.Module:
+        """The built model on this strategy's device (a model split over devices stays where it is)."""
+        return model.to(self.device)
+
+    def reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory(self) -> int:
+        """Bytes of CUDA memory allocated at most since ``reset_peak_memory`` (0 off CUDA)."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -382,6 +394,67 @@ class DataParallel(Strategy):
         return loss.mean()
 
 
+class Accelerate(DDP):
+    """accelerate's ``Accelerator`` over the initialised process group: ``prepare(model, optimizer)`` (DDP
+    across processes) and ``accelerator.backward``; each rank trains its share of the batch, as under DDP.
+    (``hf.train_with_accelerate`` is the other way round, a user's script: accelerate's data loader shards.)"""
+
+    name = "accelerate"
+
+    def __init__(self, device: str | torch.device | None = None, accelerator=None):
+        super().__init__(device)
+        self.accelerator = accelerator
+
+    def prepare(self, model, optimizer, case):
+        from accelerate import Accelerator
+
+        self.accelerator = self.accelerator or Accelerator(cpu=self.device.type == "cpu")
+        return self.accelerator.prepare(model, optimizer)
+
+    def backward(self, loss):
+        self.accelerator.backward(loss)
+
+
+class DeviceMap(Strategy):
+    """One process, the base model's decoder layers split over ``devices`` (default: every visible GPU;
+    ``["cpu", "cpu"]`` tries it without GPUs) by ``accelerate.dispatch_model``, as ``from_pretrained(...,
+    device_map=...)`` splits a model (``check_runs.split_map``); whole batches. The peak is the largest GPU's."""
+
+    name = "device_map"
+
+    def __init__(self, device: str | torch.device | None = None, devices=None):
+        self.split = list(devices) if devices is not None else list(range(torch.cuda.device_count()))
+        if not self.split:
+            raise ValueError("strategy 'device_map' needs devices to split over: found no GPU; pass devices=")
+        first = self.split[0]
+        super().__init__(device or (torch.device("cuda", first) if isinstance(first, int) else torch.device(first)))
+
+    @property
+    def devices(self) -> int:
+        return len(self.split)
+
+    def build(self, case):
+        from accelerate import dispatch_model
+
+        from .check_runs import split_map
+
+        base = case.base_model()
+        return case.reft_model(dispatch_model(base, split_map(base, self.split), main_device=self.device))
+
+    def place(self, model):
+        return model  # each layer is on its device already
+
+    def _gpus(self) -> list[int]:
+        return sorted({device for device in self.split if isinstance(device, int)})
+
+    def reset_peak_memory(self) -> None:
+        for gpu in self._gpus():
+            torch.cuda.reset_peak_memory_stats(gpu)
+
+    def peak_memory(self) -> int:
+        return max((torch.cuda.max_memory_allocated(gpu) for gpu in self._gpus()), default=0)
+
+
 class TensorParallel(DDP):
     """Tensor parallel over every rank: the base model loaded with ``from_pretrained(tp_plan="auto")`` on a
     1-D mesh (``by_hand``: torch's ``parallelize_module`` with the model's ``base_model_tp_plan``). Every
@@ -497,22 +570,77 @@ def parallelize_by_hand(base: nn.Module, tp_mesh) -> nn.Module:
     return base
 
 
-STRATEGIES: dict[str, Callable[..., Strategy]] = {
-    "single": Strategy,
-    "ddp": DDP,
-    "fsdp2": FSDP2,
-    "fsdp1": FSDP1,
-    "zero1": lambda device=None: DeepSpeed(1, device=device),
-    "zero2": lambda device=None: DeepSpeed(2, device=device),
-    "zero3": lambda device=None: DeepSpeed(3, device=device),
-    "zero2-offload": lambda device=None: DeepSpeed(2, offload=True, device=device),
-    "zero3-offload": lambda device=None: DeepSpeed(3, offload=True, device=device),
-    "zero3-nvme": lambda device=None: DeepSpeed(3, offload="nvme", device=device),
-    "dataparallel": DataParallel,
-    "tp": TensorParallel,
-    "tp-by-hand": lambda device=None: TensorParallel(device, by_hand=True),
-    "tp-fsdp2": TensorParallelFSDP2,
-    "hsdp": HSDP,
+#: Given a world size and the machine's GPU count: None when the machine can run it, else why not.
+Requirement = Callable[[int, int], "str | None"]
+
+
+def _any(world_size: int, gpus: int) -> str | None:
+    return None  # world sizes are checked against the machine by the caller (pyvene-dist check's validate)
+
+
+def _gpu_per_rank(world_size: int, gpus: int) -> str | None:
+    return None if gpus >= world_size else f"needs {world_size} GPUs, found {gpus}"
+
+
+def _two_gpus(world_size: int, gpus: int) -> str | None:
+    return None if gpus >= 2 else f"needs 2 GPUs, found {gpus}"
+
+
+def _two_dimensional(world_size: int, gpus: int) -> str | None:
+    if world_size >= 4 and world_size % 2 == 0:
+        return None
+    return f"needs a 2-D mesh (data x 2): an even world size of 4 or more, got {world_size}"
+
+
+def _installed(package: str, then: Requirement = _any) -> Requirement:
+    def needs(world_size: int, gpus: int) -> str | None:
+        import importlib.util
+
+        return f"{package} not installed" if importlib.util.find_spec(package) is None else then(world_size, gpus)
+
+    return needs
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One strategy of the registry: how to make it (``STRATEGIES[name](device)``), what a machine needs to
+    run it, and whether one process runs it over every visible device (listed once, not per world size)."""
+
+    make: Callable[..., Strategy]
+    needs: Requirement = _any
+    one_process: bool = False
+
+    def __call__(self, *args, **kwargs) -> Strategy:
+        return self.make(*args, **kwargs)
+
+    def unavailable(self, world_size: int, gpus: int) -> str | None:
+        return self.needs(world_size, gpus)
+
+
+def _zero(stage: int, **options) -> Callable[..., Strategy]:
+    return lambda device=None: DeepSpeed(stage, device=device, **options)
+
+
+#: Every strategy the harness trains, ``pyvene-dist check`` runs (``check.CHECKED``) and benchmarks use.
+STRATEGIES: dict[str, Registered] = {
+    "single": Registered(Strategy),
+    "ddp": Registered(DDP),
+    "fsdp2": Registered(FSDP2),
+    "fsdp1": Registered(FSDP1, _gpu_per_rank),
+    "zero1": Registered(_zero(1), _installed("deepspeed")),
+    "zero2": Registered(_zero(2), _installed("deepspeed")),
+    "zero3": Registered(_zero(3), _installed("deepspeed")),
+    "zero2-offload": Registered(_zero(2, offload=True), _installed("deepspeed")),
+    # Host-memory offload is what a GPU run is after; on a CPU-only machine it is ZeRO-3 again.
+    "zero3-offload": Registered(_zero(3, offload=True), _installed("deepspeed", _gpu_per_rank)),
+    "zero3-nvme": Registered(_zero(3, offload="nvme"), _installed("deepspeed")),
+    "accelerate": Registered(Accelerate, _installed("accelerate")),
+    "dataparallel": Registered(DataParallel, _two_gpus, one_process=True),
+    "device_map": Registered(DeviceMap, _installed("accelerate", _two_gpus), one_process=True),
+    "tp": Registered(TensorParallel),  # over every rank; the world size must divide the key/value heads
+    "tp-by-hand": Registered(lambda device=None: TensorParallel(device, by_hand=True)),
+    "tp-fsdp2": Registered(TensorParallelFSDP2, _two_dimensional),
+    "hsdp": Registered(HSDP, _two_dimensional),
 }
 
 
@@ -522,15 +650,14 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {sorted(STRATEGIES)}")
         strategy = STRATEGIES[strategy]()
-    model = strategy.build(case).to(strategy.device)
+    model = strategy.place(strategy.build(case))
     model.train()
     from ..optim import param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
     wrapped, optimizer = strategy.prepare(model, optimizer, case)
     held = parameter_bytes(model)
-    if strategy.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(strategy.device)
+    strategy.reset_peak_memory()
     losses, grads = [], []
     for batch in case.batches():
         shard = strategy.shard(batch)
@@ -540,7 +667,7 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         grads.append(intervention_grads(model))
         strategy.step(optimizer)
     weights = intervention_weights(model)
-    peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else 0
+    peak = strategy.peak_memory()
     return Record(strategy.name, strategy.devices, losses, grads, weights, peak, held)
 
 
