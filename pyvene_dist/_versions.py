@@ -49,13 +49,9 @@ def supported(fixes: Iterable = ()) -> dict[tuple[str, str], list[str]]:
     return declared
 
 
-def mismatches(fixes: Iterable | None = None) -> list[str]:
-    """One line per installed (or missing required) distribution outside what ``fixes`` (default: those
-    ``patch()`` would apply) and ``REQUIRED`` declare."""
-    if fixes is None:
-        from .fixes import select
-
-        fixes = select()
+def mismatches(fixes: Iterable) -> list[str]:
+    """One line per installed (or missing required) distribution outside what ``fixes`` (those ``patch()``
+    would apply: ``pyvene_dist.fixes.select()``) and ``REQUIRED`` declare."""
     problems = []
     for (distribution, specifier), names in supported(fixes).items():
         who = f" (checked for the fixes {', '.join(names)})" if names else ""

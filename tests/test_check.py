@@ -14,8 +14,8 @@ import torch
 
 from pyvene_dist import check
 from pyvene_dist.testing import assert_parity, train
-from pyvene_dist.testing.check_runs import CheckCase, model_config, representation_layers, split_map
-from pyvene_dist.testing.parity import DeviceMap
+from pyvene_dist.testing.check_runs import CheckCase, model_config, representation_layers
+from pyvene_dist.testing.parity import DeviceMap, split_map
 from pyvene_dist.testing.models import tiny_gpt2, tiny_llama
 
 MORE_RANKS_THAN_ANY_MACHINE = 4096

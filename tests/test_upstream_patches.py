@@ -98,7 +98,7 @@ def test_each_diff_mirrors_its_runtime_concern_as_it_is_now():
 def test_patched_copies_are_imported_and_pass_the_version_guard(copies):
     code = (
         "import pyvene, pyreft; from pyvene_dist import _versions, fixes;"
-        "print(pyvene.__file__); print(pyreft.__file__); print(_versions.mismatches());"
+        "print(pyvene.__file__); print(pyreft.__file__); print(_versions.mismatches(fixes.select()));"
         "print(sorted(fixes.upstreamed()) == sorted(fix.name for fix in fixes.fixes() if fix.upstream))"
     )
     result = subprocess.run([sys.executable, "-c", code], env=upstream_env(copies), capture_output=True, text=True)

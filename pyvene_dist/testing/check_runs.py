@@ -1,7 +1,7 @@
 """What ``pyvene-dist check`` trains beyond the built-in models: a local model of the user's (a directory
-with ``config.json``, weights optional, or a config ``.json`` file), and the ``device_map`` that splits
-a base model's layers over devices (the harness's ``device_map`` strategy). Training is ``parity.train``'s,
-under any strategy of the registry.
+with ``config.json``, weights optional, or a config ``.json`` file). Training is ``parity.train``'s,
+under any strategy of the registry (``device_map`` splits the base model's layers with
+``parity.split_map``).
 
     case = CheckCase(model="path/to/model", layers=representation_layers(model_config("path/to/model")))
     reference = train(case, "single")
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -85,29 +84,3 @@ class CheckCase(ParityCase):
                 torch.manual_seed(self.seed)
                 model = AutoModelForCausalLM.from_config(config)
         return model.to(self.torch_dtype)
-
-
-def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str | int]:
-    """A ``device_map`` putting the decoder layers on ``devices`` in contiguous, even groups (the first
-    layers on ``devices[0]``) and every other module (embeddings, norm, head) on ``devices[0]``."""
-    from ..fsdp import layer_classes
-
-    classes = layer_classes(model)
-    layers = [name for name, module in model.named_modules() if type(module).__name__ in classes]
-    if len(layers) < len(devices):
-        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers ({sorted(classes)}), "
-                         f"too few to split over {len(devices)} devices")
-    owner = {name: devices[index * len(devices) // len(layers)] for index, name in enumerate(layers)}
-    device_map: dict[str, str | int] = {}
-
-    def place(prefix: str, module: nn.Module) -> None:
-        if prefix in owner:
-            device_map[prefix] = owner[prefix]
-        elif prefix and not any(name.startswith(prefix + ".") for name in owner):
-            device_map[prefix] = devices[0]
-        else:
-            for name, child in module.named_children():
-                place(f"{prefix}.{name}" if prefix else name, child)
-
-    place("", model)
-    return device_map

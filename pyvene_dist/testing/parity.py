@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -418,7 +418,7 @@ class Accelerate(DDP):
 class DeviceMap(Strategy):
     """One process, the base model's decoder layers split over ``devices`` (default: every visible GPU;
     ``["cpu", "cpu"]`` tries it without GPUs) by ``accelerate.dispatch_model``, as ``from_pretrained(...,
-    device_map=...)`` splits a model (``check_runs.split_map``); whole batches. The peak is the largest GPU's."""
+    device_map=...)`` splits a model (``split_map``); whole batches. The peak is the largest GPU's."""
 
     name = "device_map"
 
@@ -435,8 +435,6 @@ class DeviceMap(Strategy):
 
     def build(self, case):
         from accelerate import dispatch_model
-
-        from .check_runs import split_map
 
         base = case.base_model()
         return case.reft_model(dispatch_model(base, split_map(base, self.split), main_device=self.device))
@@ -568,6 +566,32 @@ def parallelize_by_hand(base: nn.Module, tp_mesh) -> nn.Module:
         raise ValueError(f"{type(base).__name__}'s base_model_tp_plan {plan!r} has no plan of only {sorted(styles)}")
     parallelize_module(base, tp_mesh, {f"{prefix}.{name}": styles[style]() for name, style in plan.items()})
     return base
+
+
+def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str | int]:
+    """A ``device_map`` putting the decoder layers on ``devices`` in contiguous, even groups (the first
+    layers on ``devices[0]``) and every other module (embeddings, norm, head) on ``devices[0]``."""
+    from ..fsdp import layer_classes
+
+    classes = layer_classes(model)
+    layers = [name for name, module in model.named_modules() if type(module).__name__ in classes]
+    if len(layers) < len(devices):
+        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers ({sorted(classes)}), "
+                         f"too few to split over {len(devices)} devices")
+    owner = {name: devices[index * len(devices) // len(layers)] for index, name in enumerate(layers)}
+    device_map: dict[str, str | int] = {}
+
+    def place(prefix: str, module: nn.Module) -> None:
+        if prefix in owner:
+            device_map[prefix] = owner[prefix]
+        elif prefix and not any(name.startswith(prefix + ".") for name in owner):
+            device_map[prefix] = devices[0]
+        else:
+            for name, child in module.named_children():
+                place(f"{prefix}.{name}" if prefix else name, child)
+
+    place("", model)
+    return device_map
 
 
 #: Given a world size and the machine's GPU count: None when the machine can run it, else why not.
