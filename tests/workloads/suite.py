@@ -39,7 +39,11 @@ HIDDEN_SIZE = 32  # of the checkpoint's tiny Llama
 #: Cases that need another branch's fix: ``(workload, strategy, checkpointing)``, ``None`` for any.
 #: The tests skip them with this reason and the worlds do not run them (some hang); remove an entry
 #: once its fix is merged.
-NEEDS_FIX: dict[tuple[str, str | None, bool | None], str] = {}
+NEEDS_FIX: dict[tuple[str, str | None, bool | None], str] = {
+    ("f-trainer-options-bf16", "zero3", False): "open: resuming ends 3.4e-5 (relative) off the run's last loss "
+                                                "when b-alpaca ran under ZeRO-3 with a persistence threshold in "
+                                                "the same processes; exact when the workload runs alone",
+}
 
 
 @dataclasses.dataclass
