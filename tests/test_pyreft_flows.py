@@ -165,3 +165,36 @@ def test_alpaca_multigpu_example_trains_with_gradient_checkpointing(model_folder
             torch.testing.assert_close(value, plain_model.interventions[key].state_dict()[name], msg=f"{key}.{name}")
             torch.testing.assert_close(loaded.interventions[key].state_dict()[name], value, rtol=0, atol=1e-6,
                                        msg=f"{key}.{name} as loaded")
+
+
+@pytest.mark.world_size(1, timeout=300)
+def test_zero3_refuses_a_model_partitioned_in_another_precision(model_folder, tmp_path):
+    """A bf16 run under ZeRO-3 whose model ``from_pretrained`` partitioned in float32: loaded while an earlier
+    float32 run's arguments were alive (two runs in one process, each in the README's order: load, then make
+    the arguments), or after its own arguments with a DeepSpeed config lacking ``"bf16"``. DeepSpeed then
+    trained the first step in float32 and the rest in bf16 (resuming it from its own checkpoint ended 3.4e-5
+    off). Refused at ``train``; HF's order (arguments first, ``"bf16": "auto"``) trains."""
+    import pyreft
+
+    from pyvene_dist.testing.hf import deepspeed_config
+
+    helpers.patch()
+    config = deepspeed_config("3")
+    no_section = {key: value for key, value in config.items() if key not in ("bf16", "fp16")}
+    earlier = arguments(tmp_path / "earlier", deepspeed=config)  # noqa: F841 -- alive, as in a notebook
+
+    def trainer(deepspeed, args_first: bool):
+        args = arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True) if args_first else None
+        model, tokenizer = load(model_folder, torch.bfloat16)
+        reft_model = pyreft.get_reft_model(model, loreft(model, [1], dtype=torch.bfloat16))
+        data_module = pyreft.make_last_position_supervised_data_module(
+            tokenizer, model, [PROMPT % s for s in SENTENCES[0::2]], SENTENCES[1::2])
+        args = args or arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True)
+        return pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=args, **data_module)
+
+    refused = r"ReftTrainerForCausalLM.train: DeepSpeed ZeRO-3 partitioned the model in torch.float32 .* \(bf16=True\) " \
+              r"train in torch.bfloat16; .* \"bf16\" section"
+    for deepspeed, args_first in ((config, False), (no_section, True)):
+        with pytest.raises(ValueError, match=refused):
+            trainer(deepspeed, args_first).train()
+    trainer(config, args_first=True).train()

@@ -82,7 +82,7 @@ def training_arguments(case: ParityCase, output_dir: str, world_size: int, **ove
 
 
 def deepspeed_config(stage: str) -> dict:
-    """An HF Trainer DeepSpeed config for ZeRO ``stage`` ("1", "2", "3", "3-offload"), sizes left to "auto"."""
+    """An HF Trainer DeepSpeed config for ZeRO ``stage`` ("1", "2", "3", "3-offload"), sizes and bf16 left to "auto"."""
     level, _, offload = stage.partition("-")
     zero: dict[str, Any] = {"stage": int(level)}
     if level == "3":
@@ -95,6 +95,7 @@ def deepspeed_config(stage: str) -> dict:
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},  # filled in by TrainingArguments, before from_pretrained runs zero.Init
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
