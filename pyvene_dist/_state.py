@@ -32,7 +32,7 @@ class ModelState:
     handles: list = dataclasses.field(default_factory=list)
     #: ``hooks``: while a checkpointing training forward runs, its intervening hooks (``hooks.Kept``).
     kept: Any = None
-    #: ``checkpointing``: forwards whose intervening hooks are kept for backward's recomputation (held
+    #: ``gradient_checkpointing``: forwards whose intervening hooks are kept for backward's recomputation (held
     #: by what can recompute them, weakly here).
     pending: "weakref.WeakSet" = dataclasses.field(default_factory=weakref.WeakSet)
     #: ``fsdp``: intervention parameter -> the handle of its gradient-averaging hook.

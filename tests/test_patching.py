@@ -187,7 +187,7 @@ def test_only_pulls_in_the_fixes_it_requires():
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 
-    with pyvene_dist.patched(only=["checkpointing"]):
+    with pyvene_dist.patched(only=["gradient_checkpointing"]):
         assert _wrapped(IntervenableModel, "forward")  # checkpointing
         assert _wrapped(IntervenableModel, "_remove_forward_hooks")  # hooks, which it requires
         assert not _wrapped(BaseModel, "named_parameters")
@@ -198,7 +198,7 @@ def test_exclude_leaves_a_fix_out():
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 
-    with pyvene_dist.patched(exclude=["locations", "checkpointing"]):
+    with pyvene_dist.patched(exclude=["locations", "gradient_checkpointing"]):
         assert not _wrapped(BaseModel, "_broadcast_unit_locations") and not _wrapped(IntervenableModel, "forward")
         assert _wrapped(IntervenableModel, "_remove_forward_hooks") and _wrapped(BaseModel, "named_parameters")
 
@@ -206,7 +206,8 @@ def test_exclude_leaves_a_fix_out():
 def test_excluding_a_fix_another_requires_names_both():
     import pyvene_dist
 
-    with pytest.raises(ValueError, match=r"exclude=\['hooks'\] leaves out \['hooks'\], which the fix 'checkpointing'"):
+    with pytest.raises(ValueError, match=r"exclude=\['hooks'\] leaves out \['hooks'\], "
+                                         r"which the fix 'gradient_checkpointing'"):
         pyvene_dist.patch(exclude=["hooks"])
     assert not pyvene_dist.is_patched()
 
@@ -219,6 +220,9 @@ def test_an_unknown_fix_is_refused_naming_it_and_the_known_ones(argument):
         pyvene_dist.patch(**{argument: ["tensor_paralel"]})
     with pytest.raises(TypeError, match=rf"{argument}='hooks': expected a collection of fix names"):
         pyvene_dist.patch(**{argument: "hooks"})
+    with pytest.raises(ValueError, match=rf"{argument}: unknown fix 'checkpointing' \('checkpointing' is now "
+                                         r"'gradient_checkpointing'\); known fixes: "):
+        pyvene_dist.patch(**{argument: ["checkpointing"]})  # the name before issue 19
     assert not pyvene_dist.is_patched()
 
 

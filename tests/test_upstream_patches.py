@@ -138,11 +138,11 @@ def test_patch_skips_a_concern_upstream_carries(monkeypatch):
 def test_upstreamed_needs_every_package_and_counts_a_missing_optional_one(monkeypatch):
     from pyvene_dist import fixes
 
-    carried = {"pyvene": frozenset({"deepspeed", "hooks", "checkpointing"}), "pyreft": frozenset()}
+    carried = {"pyvene": frozenset({"deepspeed", "hooks", "gradient_checkpointing"}), "pyreft": frozenset()}
     monkeypatch.setattr(fixes, "carried_fixes", lambda package: carried[package])
-    assert fixes.upstreamed() == {"hooks", "checkpointing"}
+    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing"}
     carried["pyreft"] = None  # not installed: nothing of pyreft to fix
-    assert fixes.upstreamed() == {"hooks", "checkpointing", "deepspeed", "trainer", "weight_decay"}
+    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing", "deepspeed", "trainer", "weight_decay"}
 
 
 def test_fixes_are_read_without_importing_the_package(tmp_path, monkeypatch):

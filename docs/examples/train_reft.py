@@ -143,9 +143,8 @@ def main(argv=None):
     trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the log, every logged loss included
 
     # Save once, in pyreft's format (the files save_to_hf_hub uploads). Every rank takes part: under
-    # ZeRO-3 `gathered` collects the partitioned interventions (a collective), and reading LoReFT's
-    # rotation calls its parametrization, a module call ZeRO-3 expects every rank to make alike. Rank 0
-    # writes to save_dir, the others to a scratch folder they drop.
+    # ZeRO-3 `gathered` collects the partitioned interventions (a collective). Rank 0 writes to
+    # save_dir, the others to a scratch folder they drop.
     save_dir = reft_args.save_dir or os.path.join(training_args.output_dir, "reft")
     with gathered(reft_model), tempfile.TemporaryDirectory() as scratch:
         reft_model.save(save_dir if trainer.is_world_process_zero() else scratch, save_to_hf_hub=False)

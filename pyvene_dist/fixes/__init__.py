@@ -22,6 +22,8 @@ from typing import Iterable
 
 from .._registry import Fix
 
+#: Fix names that changed: ``patch(only=..., exclude=...)`` with an old one says the new one.
+RENAMED = {"checkpointing": "gradient_checkpointing"}  # beside the checkpoints fix, which saves and loads
 #: Packages that may be missing; a missing one has nothing to fix.
 OPTIONAL_PACKAGES = frozenset({"pyreft"})
 
@@ -100,7 +102,9 @@ def _names(argument: str, names: Iterable[str], known: dict[str, Fix]) -> set[st
     names = set(names)
     unknown = sorted(names - set(known))
     if unknown:
-        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}; known fixes: {', '.join(known)}")
+        renamed = "".join(f" ({old!r} is now {RENAMED[old]!r})" for old in unknown if old in RENAMED)
+        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}{renamed}; "
+                         f"known fixes: {', '.join(known)}")
     return names
 
 

@@ -10,7 +10,7 @@ The fix records the handles pyvene's hook factories (``_intervention_getter``,
 ``_remove_forward_hooks`` removes exactly those. The state is found from the model object, so
 ``nn.DataParallel`` replicas (shallow copies) keep their own; ``unpatch()`` removes what is left.
 
-``setters_kept_alive(model)`` is for ``fixes.checkpointing``: inside it, the handles of the hooks that
+``setters_kept_alive(model)`` is for ``fixes.gradient_checkpointing``: inside it, the handles of the hooks that
 *apply* interventions are handed to the caller instead of to pyvene, which would remove them when its
 forward returns, before backward recomputes checkpointed layers; the caller may also replace the hooks
 themselves as they are registered (``wrap_hook``).

@@ -75,7 +75,7 @@ import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._registry import REGISTRY, Fix, Site
-from . import checkpointing, householder
+from . import gradient_checkpointing, householder
 from .data_parallel import is_replica
 
 FIX = Fix(
@@ -214,7 +214,7 @@ def _applies(orthogonal, X) -> bool:
         and str(getattr(orthogonal, "orthogonal_map", "")).endswith("householder")
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
-        and not checkpointing.in_checkpointed_forward()
+        and not gradient_checkpointing.in_checkpointed_forward()
     )
 
 

@@ -21,7 +21,7 @@ stay frozen). Unlike HF's ``enable_input_require_grads``, which turns that outpu
 hook returns a copy that is not one, so an intervention writing in place into a layer's input
 (``block_input`` of layer 0) is allowed (``RuntimeError: a leaf Variable that requires grad is being
 used in an in-place operation`` otherwise). ``disable_input_require_grads`` removes it as HF's.
-Interventions surviving the recomputation is ``fixes.checkpointing``.
+Interventions surviving the recomputation is ``fixes.gradient_checkpointing``.
 
 Checked with accelerate 1.15, transformers 5.17 and 5.24.
 """
