@@ -100,10 +100,15 @@ def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
 
 
 def plan(strategies: Iterable[str], world_sizes: Iterable[int]) -> list[tuple[str, int]]:
-    sizes = list(world_sizes)
-    return [(name, max(gpu_count(), 2)) if _registered(name).one_process else (name, size)
-            for name in dict.fromkeys(strategies) if name != REFERENCE
-            for size in ([None] if _registered(name).one_process else sizes)]
+    sizes, steps = list(world_sizes), []
+    for name in dict.fromkeys(strategies):
+        if name == REFERENCE:
+            continue
+        if _registered(name).one_process:  # one process drives every device here
+            steps.append((name, max(gpu_count(), 2)))
+        else:
+            steps.extend((name, size) for size in sizes)
+    return steps
 
 
 def default_world_sizes() -> list[int]:
@@ -146,8 +151,7 @@ def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record)
     name, _, variant = strategy.partition("+")
     if variant == "checkpointing":
         case = dataclasses.replace(case, checkpointing="non-reentrant")  # compared with the plain reference
-    registered = STRATEGIES.get(name)  # an unknown name fails in the ranks, which report it
-    processes = 1 if registered is not None and registered.one_process else world_size
+    processes = 1 if _registered(name).one_process else world_size
     backend = "nccl" if gpu_count() >= processes else "gloo"
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-check") as workdir:
         out = Path(workdir) / "record.pt"

@@ -45,11 +45,16 @@ def partitioned(parameters) -> list[nn.Parameter]:
     return [p for p in parameters if hasattr(p, "ds_id")]
 
 
-def held_whole(parameter: nn.Parameter) -> bool:
-    """Whether ZeRO-3 keeps this partitioned parameter whole on this rank now (persistent, and gathered)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+def whole_here(parameter: nn.Parameter) -> bool:
+    """Whether this rank holds all of ``parameter`` now: not partitioned by ZeRO-3, or gathered (a
+    partitioned parameter's data is empty here until ZeRO gathers it)."""
+    return parameter.numel() == getattr(parameter, "ds_numel", parameter.numel())
 
-    return bool(getattr(parameter, "ds_persist", False)) and parameter.ds_status == ZeroParamStatus.AVAILABLE
+
+def held_whole(parameter: nn.Parameter) -> bool:
+    """Whether ZeRO-3 keeps this partitioned parameter whole on this rank from step to step: persistent
+    (gathered after every step) and gathered now."""
+    return bool(getattr(parameter, "ds_persist", False)) and whole_here(parameter)
 
 
 @contextlib.contextmanager

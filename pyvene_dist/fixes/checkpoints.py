@@ -79,8 +79,9 @@ INTERVENTIONS_DIR = "intervenable_model"
 def _wrap_loreft_state_dict(wrapped, instance, args, kwargs):
     if args or kwargs:  # a parent module collecting its state: nn.Module's entries, into its destination
         return nn.Module.state_dict(instance, *args, **kwargs)
-    weights = instance.rotate_layer.parametrizations.weight
-    if weights.original.numel() != getattr(weights.original, "ds_numel", weights.original.numel()):
+    from ..gather import whole_here
+
+    if not whole_here(instance.rotate_layer.parametrizations.weight.original):
         return wrapped()  # partitioned here (ZeRO-3): pyreft's read, whose module call gathers the rotation
     state = collections.OrderedDict(instance.learned_source.state_dict())
     state["rotate_layer"] = rotation(instance.rotate_layer).data
