@@ -151,7 +151,8 @@ def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record)
     name, _, variant = strategy.partition("+")
     if variant == "checkpointing":
         case = dataclasses.replace(case, checkpointing="non-reentrant")  # compared with the plain reference
-    processes = 1 if _registered(name).one_process else world_size
+    registered = STRATEGIES.get(name)  # an unknown name fails in the ranks, which report it
+    processes = 1 if registered is not None and registered.one_process else world_size
     backend = "nccl" if gpu_count() >= processes else "gloo"
     with tempfile.TemporaryDirectory(prefix="pyvene-dist-check") as workdir:
         out = Path(workdir) / "record.pt"
