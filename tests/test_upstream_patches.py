@@ -30,6 +30,7 @@ SUITE = [
     "tests/test_devices.py",
     "tests/test_trainer.py",
     "tests/test_user_errors.py::test_an_architecture_pyvene_does_not_map_is_named_with_the_way_to_map_it",
+    "tests/test_user_errors.py::test_unit_locations_that_do_not_fit_the_batch_are_refused",
     "tests/test_pyreft_flows.py::test_readme_quickstart_passes_tokenizer_to_the_trainer",
     "tests/test_pyreft_flows.py::test_alpaca_multigpu_example_saves_checkpoints_and_loads_on_every_rank[world2]",
     "tests/test_pyreft_flows.py::test_zero3_refuses_a_model_partitioned_in_another_precision[world1]",
