@@ -774,19 +774,11 @@ def differences(reference: Record, candidate: Record) -> Differences:
     return Differences(loss, grad, weight)
 
 
-def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *, grads: bool = True,
-                  adam_lr: float | None = None) -> None:
+def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *, grads: bool = True) -> None:
     """Fail with the first tensor (step, name) outside ``tolerance``, where, and by how much.
 
     ``grads=False`` compares losses and weights only, for runs that cannot record gradients (HF Trainer
     with DeepSpeed); a record without gradients is otherwise an error, never a silent pass.
-
-    ``adam_lr``: the runs stepped Adam at this learning rate, in a precision whose rounding can flip a
-    gradient's sign where it is near zero (bf16). Adam scales each element's step to about ``lr`` whatever
-    the gradient's size, so there a flipped sign is a full step the other way: a final weight element may
-    then also differ by ``2 * adam_lr`` for each step whose reference gradient there lies within
-    ``tolerance`` of zero (relative to that step's largest gradient of the tensor). Elements with larger
-    gradients keep the plain bound. Needs the reference's gradients.
     """
     _check_same_shape(reference, candidate)
     if grads and len(candidate.grads) != len(candidate.losses):
@@ -803,29 +795,7 @@ def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *,
         for name, (e, a) in _named_pairs(expected, actual):
             _assert_close(a, e, tolerance, f"{label}: step {step}, gradient of {name}")
     for name, (e, a) in _named_pairs(reference.weights, candidate.weights):
-        if adam_lr is None:
-            _assert_close(a, e, tolerance, f"{label}: final weight {name}")
-        else:
-            _assert_close_after_adam(a, e, tolerance, reference, name, adam_lr, f"{label}: final weight {name}")
-
-
-def _assert_close_after_adam(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, reference: Record,
-                             name: str, lr: float, what: str) -> None:
-    if len(reference.grads) != len(reference.losses):
-        raise AssertionError(f"adam_lr needs the reference's gradients; {reference.strategy} recorded "
-                             f"{len(reference.grads)} of {len(reference.losses)} steps")
-    near_zero = [(step[name].abs() <= tolerance.rtol * step[name].abs().max()).reshape(expected.shape)
-                 for step in reference.grads]
-    flips = torch.stack(near_zero).sum(0)
-    limit = tolerance.rtol * (expected.abs().max() + expected.abs()) + 2 * lr * flips
-    excess = (actual.float() - expected.float()).abs() - limit
-    if (excess > 0).any():
-        index = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
-        raise AssertionError(
-            f"{what} differs ({tolerance.why}; plus 2 x lr {lr} per step whose reference gradient is within "
-            f"the bound of zero): {int((excess > 0).sum())} of {excess.numel()} elements; the worst at {index}, "
-            f"{actual[index].item():+.6f} vs {expected[index].item():+.6f}, {limit[index].item():.6f} allowed "
-            f"({int(flips[index])} such steps)")
+        _assert_close(a, e, tolerance, f"{label}: final weight {name}")
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, what: str) -> None:
