@@ -181,15 +181,16 @@ def test_zero3_refuses_a_model_partitioned_in_another_precision(model_folder, tm
     helpers.patch()
     config = deepspeed_config("3")
     no_section = {key: value for key, value in config.items() if key not in ("bf16", "fp16")}
-    earlier = arguments(tmp_path / "earlier", deepspeed=config)  # noqa: F841 -- alive, as in a notebook
+    on = {"use_cpu": not torch.cuda.is_available()}  # DeepSpeed takes the GPU where there is one
+    earlier = arguments(tmp_path / "earlier", deepspeed=config, **on)  # noqa: F841 -- alive, as in a notebook
 
     def trainer(deepspeed, args_first: bool):
-        args = arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True) if args_first else None
+        args = arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True, **on) if args_first else None
         model, tokenizer = load(model_folder, torch.bfloat16)
         reft_model = pyreft.get_reft_model(model, loreft(model, [1], dtype=torch.bfloat16))
         data_module = pyreft.make_last_position_supervised_data_module(
             tokenizer, model, [PROMPT % s for s in SENTENCES[0::2]], SENTENCES[1::2])
-        args = args or arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True)
+        args = args or arguments(tmp_path / "run", deepspeed=deepspeed, bf16=True, **on)
         return pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=args, **data_module)
 
     refused = r"ReftTrainerForCausalLM.train: DeepSpeed ZeRO-3 partitioned the model in torch.float32 .* \(bf16=True\) " \
