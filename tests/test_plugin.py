@@ -159,9 +159,10 @@ def test_body():
 
 
 @pytest.mark.slow
-def test_no_op_worlds_pass_30_times_in_a_row_on_a_loaded_machine(pytester):
-    """The symptom itself, as a smoke test: 30 worlds start and stop while two busy processes load the
-    cores (the deterministic check is the test above; at 1 failure in 20, 30 worlds show it 4 times in 5)."""
+def test_no_op_worlds_pass_10_times_in_a_row_on_a_loaded_machine(pytester):
+    """The symptom itself, as a smoke test: 10 worlds start and stop while two busy processes load the
+    cores. The deterministic check is the test above; at the 1 failure in 20 once measured, 10 worlds
+    show the symptom 2 times in 5 (30 took 138 s of the suite for 4 in 5)."""
     import subprocess
     import sys
 
@@ -169,7 +170,7 @@ def test_no_op_worlds_pass_30_times_in_a_row_on_a_loaded_machine(pytester):
     try:
         result = run(pytester, """
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("repeat", range(30))
+@pytest.mark.parametrize("repeat", range(10))
 def test_nothing(repeat):
     pass
 """)
@@ -177,7 +178,7 @@ def test_nothing(repeat):
         for burner in burners:
             burner.kill()
             burner.wait()
-    result.assert_outcomes(passed=30)
+    result.assert_outcomes(passed=10)
 
 
 @pytest.mark.parametrize("load", [
