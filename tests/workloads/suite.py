@@ -191,7 +191,14 @@ def train(trainer, model, resume_from_checkpoint=None) -> object:
 
     class HeadGradients(TrainerCallback):
         def __init__(self):
-            self.steps = []
+            self.steps, self.left_over = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            # What the previous step left in the heads' gradients: nothing, if it was cleared. (Runs that
+            # keep summing do so alike in one process and under DDP, where parity alone cannot see it.)
+            if not args.deepspeed:
+                self.left_over.append(max((0.0 if p.grad is None else p.grad.abs().max().item()
+                                           for p in _heads(model).values()), default=0.0))
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             if not args.deepspeed:  # as InterventionGradients: DeepSpeed has stepped inside backward
@@ -206,7 +213,8 @@ def train(trainer, model, resume_from_checkpoint=None) -> object:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     grads = [{**interventions, **head} for interventions, head in zip(gradients.steps, heads.steps)]
     return Record(type(trainer).__name__, world_size, losses, grads,
-                  {**intervention_weights(model), **head_weights(model)})
+                  {**intervention_weights(model), **head_weights(model)},
+                  metrics={"head_gradient_left_over": max(heads.left_over, default=0.0)})
 
 
 def _heads(model) -> dict:

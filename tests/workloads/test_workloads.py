@@ -44,6 +44,11 @@ def test_workload_matches_one_process_without_checkpointing(worlds, workload, st
     # HF Trainer under DeepSpeed steps inside backward: no gradient is left to record there.
     assert_parity(reference.record, candidate.record, suite.tolerance(workload, strategy),
                   grads=not strategy.startswith("zero"))
+    # A trainable head starts every step with its gradient cleared (HF Trainer's model.zero_grad()), in the
+    # reference too: a head that keeps summing does so alike in one process and under the patch's DDP.
+    for run, where in ((reference, "single"), (candidate, strategy)):
+        left_over = run.record.metrics.get("head_gradient_left_over", 0.0)
+        assert left_over == 0.0, f"{where}: a step began with the head's gradient from earlier steps ({left_over})"
     expected, found = reference.extras, candidate.extras
     if "generated" in expected:  # greedy generation with the trained intervention
         assert found["generated"] == expected["generated"]
