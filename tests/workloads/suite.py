@@ -540,11 +540,19 @@ def _loreft_datasets():
     return LoReftSupervisedDataset, LoReftGLUEDataset
 
 
-def _eval_mode(reft_model) -> None:
-    """The scripts' "ensure everything is in eval mode" after training, their idiom included."""
+def _eval_mode(reft_model) -> str | None:
+    """The scripts' "ensure everything is in eval mode" after training, with their idiom ``v[0].eval()``;
+    returns what the idiom raised, if it did. The flow then goes on with pyvene 0.1.8's own way (its
+    interventions are no longer tuples), so that its evaluation is still compared."""
     reft_model.model.eval()
-    for _, value in reft_model.interventions.items():
-        _ = value[0].eval()
+    try:
+        for _, value in reft_model.interventions.items():
+            _ = value[0].eval()
+    except TypeError as error:
+        for value in reft_model.interventions.values():
+            value.eval()
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def loreft(folder, output_dir, strategy, checkpointing, *, task) -> Run:
@@ -571,7 +579,7 @@ def loreft(folder, output_dir, strategy, checkpointing, *, task) -> Run:
     trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, tokenizer=tokenizer, args=args,
                                             train_dataset=train_dataset, data_collator=collator)
     record = train(trainer, reft_model)
-    _eval_mode(reft_model)
+    idiom = _eval_mode(reft_model)
     evaluated = supervised(task, str(folder / "data" / task), tokenizer, data_split="test", seed=SEED, **data)
     tokenizer.padding_side = "left"
     inputs = collator([evaluated[i] for i in range(len(evaluated))])
@@ -588,7 +596,7 @@ def loreft(folder, output_dir, strategy, checkpointing, *, task) -> Run:
     trigger = evaluated.trigger_tokens
     outputs = [text[text.find(trigger) + len(trigger):].strip() if trigger in text else "" for text in texts]
     answers = [item["answer"].strip() for item in evaluated.raw_dataset]
-    return Run(record, {"generated": generated.tolist(),
+    return Run(record, {"generated": generated.tolist(), "eval_idiom_error": idiom,
                         "exact_match": sum(o == a for o, a in zip(outputs, answers)) / len(answers)})
 
 
@@ -626,7 +634,7 @@ def loreft_glue(folder, output_dir, strategy, checkpointing) -> Run:
         model=reft_model, tokenizer=tokenizer, args=args, train_dataset=split(GLOBAL_BATCH * STEPS, 27),
         eval_dataset=evaluated, data_collator=collator, compute_metrics=accuracy)
     record = train(trainer, reft_model)
-    _eval_mode(reft_model)
+    idiom = _eval_mode(reft_model)
     inputs = collator([evaluated[i] for i in range(len(evaluated))])
     device = reft_model.get_device()
     with torch.no_grad():
@@ -635,7 +643,8 @@ def loreft_glue(folder, output_dir, strategy, checkpointing) -> Run:
                                 unit_locations={"sources->base": (None, inputs["intervention_locations"].permute(
                                     1, 0, 2).tolist())})
     history = [entry["eval_accuracy"] for entry in trainer.state.log_history if "eval_accuracy" in entry]
-    return Run(record, {"eval_accuracy": history, "predictions": outputs.logits.argmax(-1).tolist()})
+    return Run(record, {"eval_accuracy": history, "predictions": outputs.logits.argmax(-1).tolist(),
+                        "eval_idiom_error": idiom})
 
 
 def alpaca_train(folder, output_dir, strategy, checkpointing) -> Run:
@@ -723,9 +732,10 @@ def reward(folder, output_dir, strategy, checkpointing) -> Run:
         data_collator=pyreft.ReftRewardCollator(tokenizer=tokenizer, padding=True,
                                                 max_length=tokenizer.model_max_length))
     record = train(trainer, reft_model)
-    _eval_mode(reft_model)
+    idiom = _eval_mode(reft_model)
     metrics = trainer.evaluate()
-    return Run(record, {"eval_accuracy": [metrics["eval_accuracy"]], "eval_loss": metrics["eval_loss"]})
+    return Run(record, {"eval_accuracy": [metrics["eval_accuracy"]], "eval_loss": metrics["eval_loss"],
+                        "eval_idiom_error": idiom})
 
 
 def _partial(fn, **bound):

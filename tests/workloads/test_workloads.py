@@ -54,6 +54,8 @@ def test_workload_matches_one_process_without_checkpointing(worlds, workload, st
         assert found["generated"] == expected["generated"]
     if "eval_accuracy" in expected:  # evaluation during training saw the same predictions
         assert found["eval_accuracy"] == expected["eval_accuracy"]
+    if "eval_idiom_error" in found:  # the scripts' ``for k, v in model.interventions.items(): v[0].eval()``
+        assert found["eval_idiom_error"] is None, found["eval_idiom_error"]
     for key in ("predictions", "exact_match", "saved"):  # loreft's final evaluations; alpaca's save_model
         if key in expected:
             assert found[key] == expected[key], key
