@@ -21,6 +21,9 @@
    per-micro-batch mean, divided by the accumulation steps and averaged over the ranks: the whole batch's
    mean only when every micro-batch holds as many items (the reward loss: pairs), not for a short last
    batch. Under ``nn.DataParallel`` (``n_gpu > 1``) the loss stays each replica's mean.
+   ``ReftTrainer.compute_loss(..., return_outputs=True)`` returned the outputs twice, where HF Trainer's
+   evaluation reads ``(loss, outputs)``: ``trainer.evaluate()`` failed with ``AttributeError:
+   'CausalLMOutputWithPast' object has no attribute 'detach'``. It returns ``(loss, outputs)``.
 2. With ``remove_unused_columns=True`` (the default) HF Trainer keeps only the columns named in
    ``model.forward``'s signature; ``IntervenableModel.forward(base, sources, unit_locations, ...)``
    names none of pyreft's, so ``compute_loss`` fails with ``KeyError: 'input_ids'``. The fix adds the
@@ -65,6 +68,14 @@
    arguments). DeepSpeed casts nothing already partitioned and silently mixes the precisions: a bf16 run
    trained its first step in float32, and resuming it from its own checkpoint ended 3.4e-5 off. pyreft's
    trainers refuse it at ``train``, naming both dtypes and what avoids it.
+
+10. pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only. HF Trainer
+    gathers across ranks when it logs (the loss, the FLOs) and saves (the FLOs; pyreft's ``save_model`` then
+    agrees whether to save, as it may gather), so rank 0's collectives met other ones on rank 1: the run hung
+    at the first checkpoint, or went on with another collective's data (the issue saw ``RuntimeError:
+    Parent directory .../checkpoint-2 does not exist`` in 2 of 3 runs). pyreft's trainers compare the
+    arguments that schedule those collectives across ranks at ``train`` and raise on every rank, naming each
+    argument and each rank's value.
 
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
@@ -122,12 +133,13 @@ def _wrap_compute_loss(wrapped, instance, args, kwargs):
     if isinstance(locations, torch.Tensor) and locations.dim() == 3:
         bound.arguments["inputs"] = {**inputs, "intervention_locations": DeviceLocations(locations)}
     result = wrapped(*bound.args, **bound.kwargs)
-    if num_items_in_batch is None or not instance.model_accepts_loss_kwargs:
-        return result
     return_outputs = bound.arguments.get("return_outputs", False)
-    loss = result[0] if return_outputs else result
-    loss = loss * _share_of_the_batch(instance, inputs["labels"], num_items_in_batch)
-    return (loss, *result[1:]) if return_outputs else loss
+    loss, outputs = result if return_outputs else (result, None)
+    if not isinstance(loss, torch.Tensor):  # ReftTrainer's gives (outputs, outputs); HF reads (loss, outputs)
+        loss = loss.loss
+    if num_items_in_batch is not None and instance.model_accepts_loss_kwargs:
+        loss = loss * _share_of_the_batch(instance, inputs["labels"], num_items_in_batch)
+    return (loss, outputs) if return_outputs else loss
 
 
 def _wrap_subclass_compute_loss(wrapped, instance, args, kwargs):
@@ -257,6 +269,7 @@ def _reft_trainer_train(self, *args, **kwargs):
 
     train = super(ReftTrainer, self).train
     _refuse_a_partition_in_another_dtype(self)
+    _refuse_schedules_that_differ_between_ranks(self)
     flags = [name for name in CHECKPOINTING_FLAGS if getattr(self.args, name, None)]
     if not flags or any(hasattr(self.model, name) for name in CHECKPOINTING_ENABLERS) \
             or not holds_intervenable_model(self.model):
@@ -269,6 +282,43 @@ def _reft_trainer_train(self, *args, **kwargs):
     finally:
         for name in flags:
             setattr(self.args, name, True)
+
+
+#: The ``TrainingArguments`` that decide at which steps HF Trainer runs a collective: logging gathers the loss
+#: and the FLOs, saving the FLOs (and ``save_model`` may gather), evaluating gathers predictions, each step may
+#: gather the label count; the step count and accumulation decide how many of each there are.
+SCHEDULE_ARGUMENTS = (
+    "logging_strategy", "logging_steps", "logging_first_step", "save_strategy", "save_steps", "eval_strategy",
+    "eval_steps", "max_steps", "num_train_epochs", "gradient_accumulation_steps", "average_tokens_across_devices",
+)
+
+
+def _refuse_schedules_that_differ_between_ranks(trainer) -> None:
+    """Raise on every rank if the ranks' arguments schedule HF Trainer's collectives differently.
+
+    pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only: rank 0 then
+    gathers the loss and the FLOs at every step, rank 1 does not, and each collective meets another one on
+    the other rank. The run hung at the first checkpoint (rank 0 gathering FLOs for its log, rank 1
+    agreeing whether to save), or went on with another collective's data.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    schedule = {name: getattr(getattr(trainer.args, name, None), "value", getattr(trainer.args, name, None))
+                for name in SCHEDULE_ARGUMENTS}  # an enum's value: "steps", not IntervalStrategy.STEPS
+    schedules = [None] * dist.get_world_size()
+    dist.all_gather_object(schedules, schedule)
+    differing = [name for name in SCHEDULE_ARGUMENTS if any(other[name] != schedule[name] for other in schedules)]
+    if differing:
+        values = "; ".join(f"{name} is " + ", ".join(f"{other[name]!r} on rank {rank}"
+                                                     for rank, other in enumerate(schedules))
+                           for name in differing)
+        raise ValueError(
+            f"{type(trainer).__name__}.train: the ranks' TrainingArguments differ: {values}. HF Trainer gathers "
+            "across ranks when it logs, saves and evaluates, so ranks on different schedules wait on each other's "
+            "collectives (a hang, or another collective's data). Give every rank the same values (pyreft's "
+            "examples/alpaca/train_multigpu.py sets logging_steps=1 on rank 0 only: pass --logging_steps 1).")
 
 
 def _refuse_a_partition_in_another_dtype(trainer) -> None:
