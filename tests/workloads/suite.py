@@ -309,10 +309,13 @@ def alpaca(folder, output_dir, strategy, checkpointing) -> Run:
     trained, reloaded = (
         {f"{key}.{name}": value.cpu() for key, module in model.interventions.items()
          for name, value in module.state_dict().items()} for model in (reft_model, loaded))
+    reloaded_as = {name: (str(trained[name].dtype), str(reloaded[name].dtype) if name in reloaded else "missing")
+                   for name in trained}
     same = sorted(reloaded) == sorted(trained) and all(
         reloaded[name].dtype == trained[name].dtype and torch.equal(reloaded[name], trained[name]) for name in trained)
     checkpoints = sorted(p.name for p in Path(output_dir).glob("checkpoint-*"))
-    return Run(record, {"loaded_equal": same, "checkpoints": checkpoints})
+    return Run(record, {"loaded_equal": same, "checkpoints": checkpoints,
+                        "reloaded_as": {n: d for n, d in reloaded_as.items() if d[0] != d[1]}})
 
 
 def classification(folder, output_dir, strategy, checkpointing) -> Run:
