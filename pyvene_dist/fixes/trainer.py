@@ -125,7 +125,8 @@ CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):
     """pyreft's own ``compute_loss``: declared keywords only, locations as tensors, and the loss weighed by
-    the whole batch's count of label items when HF Trainer counted them (see ``_normalise_over_the_batch``)."""
+    the whole batch's count of label items when HF Trainer counted them (``_share_of_the_batch``), and
+    ``(loss, outputs)`` for ``return_outputs``, as HF Trainer reads it."""
     num_items_in_batch = kwargs.get("num_items_in_batch")
     bound = _declared(wrapped, args, kwargs)
     inputs = bound.arguments.get("inputs")
