@@ -41,6 +41,8 @@ class ModelState:
     replica_device: Any = None
     #: ``data_parallel``: devices whose Householder product was initialised from the calling thread.
     warmed_devices: set = dataclasses.field(default_factory=set)
+    #: ``tensor_parallel``: whether the base model holds DTensor parameters (None: not looked yet).
+    dtensor_parameters: Any = None
     #: ``orthogonal``: each torch orthogonal parametrization adopted for this model -> torch's class, which
     #: it is given back at close (its class is ``ReftOrthogonal`` while patched).
     rotations: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
@@ -62,6 +64,7 @@ class ModelState:
             handle.remove()
         self.reduced = weakref.WeakKeyDictionary()
         self.replica_device = None
+        self.dtensor_parameters = None
         self.warmed_devices = set()
         for rotation, torchs in list(self.rotations.items()):
             if type(rotation) is not torchs:
