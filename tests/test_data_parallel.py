@@ -125,6 +125,20 @@ def test_replica_hooks_point_at_its_own_modules(patched):
         assert any(register.__self__ is module for module in replica.model.modules())
 
 
+def test_a_replica_copies_the_hook_dicts_of_its_hooked_modules_only(patched):
+    """With fixes.hooks, pyvene adds and removes hooks on the modules its interventions sit on only, so a
+    replica copies those modules' hook dicts and shares the rest (read-only) with the original; it copied
+    every module's five dicts before, per replica per forward: 2,856 Python calls for an 8-layer model,
+    143 now. The threads test above shows the replicas stay independent."""
+    model = reft_model(tiny_llama())
+    replica = two_replicas(model, independent=True)[0]
+    hooked = {id(register.__self__) for register in replica.intervention_hooks.values()}
+    originals = dict(zip(map(id, replica.modules()), model.modules()))
+    for module in replica.modules():
+        shared = module._forward_hooks is originals[id(module)]._forward_hooks
+        assert shared != (id(module) in hooked), type(module).__name__
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 

@@ -13,13 +13,15 @@ parametrization, first called in DataParallel's threads.
   device. Other models go through the original untouched.
 - ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
   pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
-  its hook dicts (hooks present before stay; new ones stay its own), ``intervention_hooks`` bound to
-  its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
+  the hook dicts of the modules pyvene hooks (hooks present before stay; new ones stay its own; every
+  module's without ``fixes.hooks``, as pyvene then pops every hook after each forward),
+  ``intervention_hooks`` bound to its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
   once per device from the calling thread.
 - ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
   ``model.device`` has no parameter to look at).
 
-What the fix knows (a replica's device, the devices it initialised) is kept in the model's state
+What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
+the names of its hooked modules, found once per model) is kept in the model's state
 (``REGISTRY.models``), not on the model. ``is_replica`` is the one reader of torch's private mark of a
 replica, for the fixes that leave replicas alone.
 
@@ -68,8 +70,8 @@ def _wrap_scatter(wrapped, instance, args, kwargs):
     model = instance.module
     if not isinstance(model, IntervenableModel):
         return wrapped(*args, **kwargs)
-    inputs, module_kwargs, device_ids = _bind(wrapped, args, kwargs, "inputs", "kwargs", "device_ids")
-    arguments = inspect.signature(model.forward).bind(*inputs, **module_kwargs).arguments
+    inputs, module_kwargs, device_ids = _arguments(args, kwargs, "inputs", "kwargs", "device_ids")
+    arguments = _forward_signature(model).bind(*inputs, **module_kwargs).arguments
     sizes = chunk_sizes(batch_size_of(arguments["base"]), len(device_ids))
     pieces = split_forward_arguments(model, arguments, sizes)
     devices = [_cuda(device_id) for device_id in device_ids[: len(sizes)]]
@@ -82,7 +84,7 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
     replicas = wrapped(*args, **kwargs)
     original = instance.module
     if isinstance(original, BaseModel):
-        _, device_ids = _bind(wrapped, args, kwargs, "module", "device_ids")
+        _, device_ids = _arguments(args, kwargs, "module", "device_ids")
         for replica, device_id in zip(replicas, device_ids):
             device = _cuda(device_id)
             _warm_householder(original, device)
@@ -99,14 +101,19 @@ def _wrap_get_device(wrapped, instance, args, kwargs):
 def _make_independent(replica, original, device: torch.device) -> None:
     from pyvene.models.intervention_utils import InterventionState
 
-    for module in replica.modules():
+    state = REGISTRY.models.of(original)
+    if state.hooked_module_names is None:
+        module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
+        state.hooked_module_names = {key: module_names[id(register.__self__)]
+                                     for key, register in original.intervention_hooks.items()}
+    hooks = {key: getattr(replica.get_submodule(name), original.intervention_hooks[key].__name__)
+             for key, name in state.hooked_module_names.items()}
+    # pyvene registers its hooks on the hooked modules only; unless fixes.hooks removes just those, it pops
+    # every hook of every module after each forward, which in a shared dict would be the original's.
+    changed = (register.__self__ for register in hooks.values()) if hooks_fix_applied() else replica.modules()
+    for module in changed:
         for name in _HOOK_DICTS:
             module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
-    module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
-    hooks = {}
-    for key, register in original.intervention_hooks.items():
-        owner = replica.get_submodule(module_names[id(register.__self__)])
-        hooks[key] = getattr(owner, register.__name__)
     replica.__dict__.update({
         "intervention_hooks": hooks,
         "activations": {},
@@ -128,10 +135,24 @@ def _warm_householder(model, device: torch.device) -> None:
         warmed.add(device)
 
 
-def _bind(wrapped, args, kwargs, *names):
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return tuple(bound.arguments[name] for name in names)
+def hooks_fix_applied() -> bool:
+    from . import hooks
+
+    return hooks.FIX.name in REGISTRY.applied
+
+
+def _arguments(args, kwargs, *names):
+    """The arguments ``names`` of a call of torch's ``DataParallel.scatter``/``replicate``, by position or by
+    keyword: their signatures are fixed and have no defaults, so nothing is bound per forward."""
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
+
+
+def _forward_signature(model) -> inspect.Signature:
+    """The signature of ``model.forward``, found once and kept in the model's state."""
+    state = REGISTRY.models.of(model)
+    if state.forward_signature is None:
+        state.forward_signature = inspect.signature(model.forward)
+    return state.forward_signature
 
 
 def _cuda(device_id: int) -> torch.device:
