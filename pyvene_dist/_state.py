@@ -39,6 +39,8 @@ class ModelState:
     reduced: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     #: ``data_parallel``: for a replica, its device (its weights are plain tensors that cannot say).
     replica_device: Any = None
+    #: ``data_parallel``: the names from the base model down to its first parameter (``get_device``).
+    first_parameter: Any = None
     #: ``data_parallel``: the signature of the model's ``forward`` (scatter binds its arguments to it).
     forward_signature: Any = None
     #: ``data_parallel``: intervention key -> the name of the module its hook sits on.
@@ -69,6 +71,7 @@ class ModelState:
         self.reduced = weakref.WeakKeyDictionary()
         self.replica_device = None
         self.forward_signature = None
+        self.first_parameter = None
         self.hooked_module_names = None
         self.dtensor_parameters = None
         self.warmed_devices = set()

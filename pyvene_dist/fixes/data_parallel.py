@@ -18,7 +18,8 @@ parametrization, first called in DataParallel's threads.
   ``intervention_hooks`` bound to its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
   once per device from the calling thread.
 - ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
-  ``model.device`` has no parameter to look at).
+  ``model.device`` has no parameter to look at). Any other model answers its first parameter's device
+  through the path to that parameter, found at the first call, without walking the modules each time.
 
 What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
 the names of its hooked modules, found once per model) is kept in the model's state
@@ -93,9 +94,35 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
 
 
 def _wrap_get_device(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.get(instance)
-    device = None if state is None else state.replica_device
-    return device if device is not None else wrapped(*args, **kwargs)
+    state = REGISTRY.models.of(instance)
+    if state.replica_device is not None:
+        return state.replica_device
+    parameter = _first_parameter(instance.model, state.first_parameter)
+    if parameter is not None:
+        return parameter.device
+    device = wrapped(*args, **kwargs)
+    state.first_parameter = next((tuple(name.split(".")) for name, _ in instance.model.named_parameters()), None)
+    return device
+
+
+def _first_parameter(model, path):
+    """The parameter at ``path`` (names from ``model`` down), or None where nothing is there now.
+
+    pyvene's ``get_device`` is ``model.device``, transformers' device of the first parameter, found by
+    walking the modules (36 Python calls), and pyvene asks it twice per intervention per forward and per
+    generated token (for gather and scatter, which ``fixes.devices`` makes ignore it): some 290 calls per
+    token of every-token generation with 4 interventions. The path to that parameter is found once; the
+    parameter is read through it each time (a moved model, FSDP's unsharded parameters, a replaced module
+    are seen), and looked for again when the path no longer leads to one."""
+    if path is None:
+        return None
+    module = model
+    for name in path[:-1]:
+        module = module._modules.get(name)
+        if module is None:
+            return None
+    parameter = module._parameters.get(path[-1])
+    return parameter if isinstance(parameter, torch.Tensor) else None
 
 
 def _make_independent(replica, original, device: torch.device) -> None:
