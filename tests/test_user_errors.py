@@ -57,6 +57,8 @@ def test_unit_locations_that_do_not_fit_the_batch_are_refused(patched, locations
     with pytest.raises(ValueError) as error:
         model({"input_ids": ids}, unit_locations=locations, subspaces=subspaces)
     assert str(error.value).startswith(message), str(error.value)
+    # pyvene's own error for locations given to 1 of 2 interventions is an IndexError, which its tests catch
+    assert isinstance(error.value, IndexError)
 
 
 @pytest.mark.world_size(2)

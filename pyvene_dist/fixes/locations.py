@@ -31,7 +31,9 @@ position 8 in a sequence of 8 fail deep inside with ``RuntimeError: Size does no
 for a batch of 4 give wrong outputs for examples 2 and 3. Now: one entry per intervention, one row per
 example (or one for them all), positions of ``pos`` units inside the base sequence, and for
 ``subspaces`` one entry per intervention and one row per example; the error names the entry, e.g.
-``unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples``. Only lengths and
+``unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples``, as a
+``LocationError``: a ``ValueError``, and an ``IndexError`` as pyvene's own failure for locations given to
+1 of 2 interventions was (its ``test_with_subspace_negative`` catches that). Only lengths and
 shapes are read, and values only where they are on the host (lists, CPU tensors): nothing waits for
 the GPU. Locations already on the GPU (pyreft's collated tensor) have their shape checked, not their values.
 
@@ -44,6 +46,11 @@ import torch
 
 from .._registry import Fix, Site
 from .devices import as_index
+
+
+class LocationError(ValueError, IndexError):
+    """Locations that do not fit the model or the batch: a ``ValueError``, and an ``IndexError`` as pyvene's
+    own error for some of them was, so that code catching pyvene's error catches this one."""
 
 FIX = Fix(
     __name__,
@@ -116,8 +123,8 @@ def _rows_for_every_example(rows, batch: int):
 
 
 def check_unit_locations(model, base, unit_locations) -> None:
-    """Check ``unit_locations`` against the batch (after ``repeat_one_row``): raises ``ValueError`` naming the
-    entry that does not fit."""
+    """Check ``unit_locations`` against the batch (after ``repeat_one_row``): raises ``LocationError`` naming
+    the entry that does not fit."""
     if not unit_locations:
         return
     batch, length = _batch_and_length(base)
@@ -172,8 +179,8 @@ def _leading_length(value) -> int | None:
 def _check_count(where: str, part, expected: int) -> None:
     found = _leading_length(part)
     if found is not None and found != expected:
-        raise ValueError(f"{where} has {found} entr{'y' if found == 1 else 'ies'} but the model has {expected} "
-                         "interventions: give one entry per intervention (None to leave one out)")
+        raise LocationError(f"{where} has {found} entr{'y' if found == 1 else 'ies'} but the model has {expected} "
+                            "interventions: give one entry per intervention (None to leave one out)")
 
 
 def _check_rows(where: str, rows, batch: int | None, *, shared_row: bool = False) -> None:
@@ -182,8 +189,8 @@ def _check_rows(where: str, rows, batch: int | None, *, shared_row: bool = False
         return
     found = _leading_length(rows)
     if found is not None and found != batch:
-        raise ValueError(f"{where} has {found} row{'s' * (found != 1)} but the batch has {batch} examples: "
-                         f"give one row per example{', or one row for them all' * shared_row}")
+        raise LocationError(f"{where} has {found} row{'s' * (found != 1)} but the batch has {batch} examples: "
+                            f"give one row per example{', or one row for them all' * shared_row}")
 
 
 def _check_positions(where: str, rows, length: int | None) -> None:
@@ -203,7 +210,7 @@ def _check_positions(where: str, rows, length: int | None) -> None:
         return
     if low < 0 or high >= length:
         bad = high if high >= length else low
-        raise ValueError(f"{where} holds position {bad} but the sequence has {length} positions (0 to {length - 1})")
+        raise LocationError(f"{where} holds position {bad} but the sequence has {length} positions (0 to {length - 1})")
 
 
 def _put_on_device(model, broadcast: dict) -> None:
