@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import helpers
 from pyvene_dist.testing import models
 
 #: A fresh interpreter: patched as the tests patch (PYVENE_DIST_TEST_WITHOUT applies), the checkpoint loaded
@@ -85,3 +86,37 @@ def test_pyrefts_own_files_load_in_the_dtype_they_were_saved_in(patched, tmp_pat
         expected, found = (model({"input_ids": ids}, unit_locations={"base": 3})[1].logits
                            for model in (reft_model, loaded))
     torch.testing.assert_close(found, expected)
+
+
+@pytest.mark.world_size(1, timeout=300)
+@pytest.mark.parametrize("states_file", [True, False], ids=["save", "pyrefts-files-only"])
+def test_reload_onto_a_base_zero3_partitions_in_float32_keeps_the_saved_dtypes(tmp_path, states_file):
+    """pyreft's multi-GPU example reloads after training: with ZeRO-3, its ``TrainingArguments`` still alive
+    make HF's ``from_pretrained`` partition the new base under ``zero.Init``, in float32. The interventions
+    come back in the float32 they were saved in (pyvene's rebuild left LoReFT's ``learned_source`` in
+    bfloat16: the ZeRO-3 workload of pyreft's alpaca example failed its reload), from the states file
+    bit for bit, from pyreft's files alone to rounding (the rotation's parametrization is rebuilt)."""
+    import pyreft
+    import transformers
+
+    from pyvene_dist.testing.hf import deepspeed_config
+
+    helpers.patch()
+    checkpoint = models.save_checkpoint(tmp_path / "checkpoint")
+    trained = models.reft_model(transformers.AutoModelForCausalLM.from_pretrained(checkpoint), layers=(0, 1), rank=2)
+    saved = tmp_path / "saved"
+    trained.save(str(saved))
+    if not states_file:
+        (saved / "intervention_states.pt").unlink()
+    zero3 = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), deepspeed=deepspeed_config("3"),
+                                           report_to=[], use_cpu=not torch.cuda.is_available())
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert all(hasattr(p, "ds_id") and p.dtype == torch.float32 for p in base.parameters())
+    loaded = pyreft.ReftModel.load(str(saved), base)
+    del zero3
+    expected, found = ({f"{key}.{name}": value for key, module in model.interventions.items()
+                        for name, value in module.state_dict().items()} for model in (trained, loaded))
+    assert {name: value.dtype for name, value in found.items()} == \
+        {name: value.dtype for name, value in expected.items()}
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, **({"rtol": 0, "atol": 0} if states_file else {}), msg=name)

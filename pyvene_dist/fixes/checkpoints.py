@@ -24,7 +24,10 @@ What fails today:
   from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (where this rank holds
   the weights whole: no collective), and ``load`` restores every parameter in the dtype it was saved in,
   from that file (exact) or, for folders without it, from pyreft's files. A base model ZeRO-3 partitioned
-  under ``zero.Init`` keeps the interventions in its dtype (``fixes.deepspeed``), as DeepSpeed needs.
+  in bf16 or fp16 under ``zero.Init`` gives the interventions its dtype (``fixes.deepspeed``), as
+  DeepSpeed needs; one partitioned in float32 does not. (Any partitioned base used to keep pyvene's
+  rebuild: pyreft's multi-GPU example reloads after training under ZeRO-3, where HF's ``from_pretrained``
+  partitions the new base in float32 while the ZeRO-3 ``TrainingArguments`` lives, and got bfloat16.)
   ``load_intervention`` loads into existing parameters and keeps their dtypes, as ``load_state_dict`` does.
 - Resuming HF Trainer from a ``ReftTrainer`` checkpoint fails with ``ValueError: Can't find a valid
   checkpoint at .../checkpoint-N`` (pyreft writes ``intervenable_model/`` there, HF Trainer looks for
@@ -205,24 +208,25 @@ def _load_arguments(load_directory, model, local_directory=None, from_huggingfac
 def _restore_as_saved(model, directory: str) -> None:
     """Every intervention's parameters in the dtype and with the values they were saved with: from
     ``intervention_states.pt`` where ``save`` wrote it, else from each intervention's own file, read
-    again where pyvene had loaded it into another dtype."""
-    keep_dtypes = any(hasattr(parameter, "ds_id") for parameter in model.model.parameters())
+    again where pyvene had loaded it into another dtype. A base model that ZeRO-3 partitioned in bf16 or
+    fp16 (``zero.Init``) then gives the interventions its dtype, as DeepSpeed needs (``fixes.deepspeed``);
+    one partitioned in float32 (HF's ``from_pretrained`` while a ZeRO-3 ``TrainingArguments`` lives) does not."""
+    from .deepspeed import take_partitioned_dtype
+
     states_file = os.path.join(directory, SAVED_STATES_FILE)
     if os.path.exists(states_file):
         state = torch.load(states_file, map_location="cpu", weights_only=True)
-        if not keep_dtypes:
-            _take_saved_dtypes(model.interventions, state)
+        _take_saved_dtypes(model.interventions, state)
         model.interventions.load_state_dict(state)
-        return
-    if keep_dtypes:
-        return
-    for key, intervention in model.interventions.items():
-        path = os.path.join(directory, f"intkey_{key}.bin")
-        if not os.path.exists(path):
-            continue
-        state = torch.load(path, map_location=_device_of(intervention), weights_only=True)
-        if _take_saved_dtypes(intervention, _module_names(state)):
-            intervention.load_state_dict(state)
+    else:
+        for key, intervention in model.interventions.items():
+            path = os.path.join(directory, f"intkey_{key}.bin")
+            if not os.path.exists(path):
+                continue
+            state = torch.load(path, map_location=_device_of(intervention), weights_only=True)
+            if _take_saved_dtypes(intervention, _module_names(state)):
+                intervention.load_state_dict(state)
+    take_partitioned_dtype(model)
 
 
 def _module_names(state: dict) -> dict:

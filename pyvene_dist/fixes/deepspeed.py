@@ -74,13 +74,19 @@ def _wrap_print_trainable_parameters(wrapped, instance, args, kwargs):
 
 def _wrap_model_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
-    base = getattr(instance, "model", None)
+    take_partitioned_dtype(instance)
+
+
+def take_partitioned_dtype(model) -> None:
+    """Where ZeRO-3 partitioned the base model in bf16 or fp16 (``zero.Init``), give every intervention
+    parameter that dtype, as DeepSpeed needs (also after ``load`` restored the saved dtypes)."""
+    base = getattr(model, "model", None)
     partitioned = {p.dtype for p in base.parameters() if hasattr(p, "ds_id")} if base is not None else set()
     if len(partitioned) != 1 or not next(iter(partitioned)).is_floating_point \
             or next(iter(partitioned)).itemsize >= 4:
         return
     dtype = next(iter(partitioned))
-    for key, intervention in instance.interventions.items():
+    for key, intervention in model.interventions.items():
         for parameter in intervention.parameters():
             if parameter.is_floating_point() and parameter.dtype != dtype and not hasattr(parameter, "ds_id"):
                 parameter.data = parameter.data.to(dtype)
