@@ -1,5 +1,7 @@
 """pyvene removes its own hooks, and only those: user, profiler, ZeRO-3 and FSDP2 hooks survive."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,3 +52,53 @@ def test_intervention_still_applies(patched):
     model = reft_model(tiny_llama())
     base, counterfactual = model(_inputs(), unit_locations=LOCATIONS, output_original_output=True)
     assert not torch.allclose(base.logits, counterfactual.logits)
+
+
+# -- writing into a copy where the hooked tensor aliases one autograd saved ------------------------------
+
+
+@pytest.mark.parametrize("model, component", [
+    ("llama", "attention_value_output"),
+    ("llama", "head_attention_value_output"),
+    ("gpt2", "attention_value_output"),
+])
+def test_attention_value_output_trains_under_sdpa_as_under_eager(patched, model, component):
+    """sdpa's output, saved for its backward, is what o_proj receives: stock pyvene's in-place write at the
+    second layer failed backward with ``modified by an inplace operation``. Eager attention (whose output is
+    copied before o_proj) is the reference."""
+    from pyvene_dist.testing import ParityCase, assert_parity, train
+
+    eager = ParityCase(model=model, component=component, steps=2, batch_size=4)
+    sdpa = dataclasses.replace(eager, attention="sdpa")
+    assert_parity(train(eager), train(sdpa), eager.tolerance)
+
+
+def test_sdpa_forward_is_stock_pyvene_bit_for_bit():
+    """The copy changes no value: stock pyvene's forward (which runs; only its backward fails) is matched
+    bit for bit."""
+    import pyvene_dist
+    from helpers import patch
+
+    def logits():
+        model = reft_model(tiny_llama(attention="sdpa"), component="attention_value_output")
+        return model(_inputs(), unit_locations=LOCATIONS)[1].logits
+
+    stock = logits()
+    patch()
+    try:
+        assert torch.equal(logits(), stock)
+    finally:
+        pyvene_dist.unpatch()
+
+
+def test_a_copy_only_where_autograd_saved_the_tensor():
+    from pyvene_dist.fixes.hooks import aliases_saved
+
+    query = torch.randn(2, 8, 4, 8, requires_grad=True).transpose(1, 2)  # [batch, heads, positions, size]
+    attended = torch.nn.functional.scaled_dot_product_attention(query, query, query)
+    value_output = attended.transpose(1, 2).contiguous().reshape(2, 8, 32)  # what o_proj receives
+    assert value_output._base is not None and aliases_saved(value_output)
+    assert aliases_saved(torch.softmax(query, -1))  # softmax saves its result
+    assert not aliases_saved(torch.matmul(query, query).transpose(1, 2).contiguous())  # eager: a copy
+    assert not aliases_saved(torch.nn.functional.linear(query, torch.randn(8, 8)))  # saves input, weight
+    assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded

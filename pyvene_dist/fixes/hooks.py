@@ -15,14 +15,31 @@ The fix records the handles pyvene's hook factories (``_intervention_getter``,
 forward returns, before backward recomputes checkpointed layers; the caller may also replace the hooks
 themselves as they are registered (``wrap_hook``).
 
+The hooks that apply interventions also write into a copy where pyvene's in-place write would change a
+tensor autograd saved. pyvene's scatter writes into the hooked tensor itself. Under ``sdpa`` attention
+the input of ``o_proj`` (``attention_value_output``, ``head_attention_value_output``) is a view of
+the attention's output: ``transpose(1, 2).contiguous()`` copies nothing, as the CPU and CUDA kernels
+lay the output out as ``[batch, positions, heads, head size]``, and the attention saved that output
+for its backward. With an intervention at an earlier layer (so that the attention records its
+backward) training fails in backward with ``one of the variables needed for gradient computation has
+been modified by an inplace operation: [torch.FloatTensor [4, 4, 16, 16]], which is output 0 of
+ScaledDotProductFlashAttentionForCpu``. The hook then hands pyvene a copy to write into and the module
+that copy (``writing_to_copies``), which changes neither outputs nor gradients. A tensor that aliases
+nothing saved by the operation that made it (eager attention's copy, a linear layer's output) is
+written in place as before: no copy.
+
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-from typing import Callable, Iterator
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
 
 from .._registry import REGISTRY, Fix, Site
 
@@ -82,17 +99,89 @@ def _wrap_hook_factory(wrapped, instance, args, kwargs):
 
 
 def _wrap_setter_factory(wrapped, instance, args, kwargs):
-    kept = keeping(instance)
-    if kept is None:
-        return _wrap_hook_factory(wrapped, instance, args, kwargs)
     handler_list = wrapped(*args, **kwargs)
-    if kept.wrap_hook is not None:
-        for handle in handler_list.handlers:
-            hooks = handle.hooks_dict_ref()
-            if hooks is not None and handle.id in hooks:
-                hooks[handle.id] = kept.wrap_hook(hooks[handle.id])
+    kept = keeping(instance)
+    for handle in handler_list.handlers:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            hook = writing_to_copies(hooks[handle.id], inputs=aliases_saved, outputs=aliases_saved)
+            hooks[handle.id] = kept.wrap_hook(hook) if kept is not None and kept.wrap_hook is not None else hook
+    if kept is None:
+        REGISTRY.models.of(instance).handles.extend(handler_list.handlers)
+        return handler_list
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
+
+
+Predicate = Callable[[torch.Tensor], bool]
+
+
+def _never(tensor: torch.Tensor) -> bool:
+    return False
+
+
+def writing_to_copies(callback, *, inputs: Predicate = _never, outputs: Predicate = _never):
+    """pyvene's intervening hook ``callback``, its in-place write going to a copy of the tensor it
+    intervenes on where ``inputs`` (a pre-hook's) or ``outputs`` (a forward hook's) says so; the module
+    then receives, or returns, the copy. pyvene writes into the first positional input, else the first
+    keyword one; into the output, the first item of an output tuple, or the first value of a dict."""
+
+    @functools.wraps(callback)
+    def hook(module, args, kwargs, *output):
+        if output:
+            (value,) = output
+            copied = _copy_first(value, outputs)
+            if copied is value:
+                return callback(module, args, kwargs, value)
+            callback(module, args, kwargs, copied)
+            return copied
+        if args:
+            copied_args, copied_kwargs = _copy_first(args, inputs), kwargs
+        else:
+            copied_args, copied_kwargs = args, _copy_first(kwargs, inputs)
+        if copied_args is args and copied_kwargs is kwargs:
+            return callback(module, args, kwargs)
+        callback(module, copied_args, copied_kwargs)
+        return copied_args, copied_kwargs
+
+    return hook
+
+
+def _copy_first(value: Any, needs_copy: Predicate) -> Any:
+    """``value`` itself, or a copy with its first tensor (see ``writing_to_copies``) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if needs_copy(value) else value
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor) and needs_copy(value[0]):
+        return (value[0].clone(), *value[1:])
+    if isinstance(value, dict) and value:
+        first = next(iter(value))
+        if isinstance(value[first], torch.Tensor) and needs_copy(value[first]):
+            copied = copy.copy(value)
+            copied[first] = value[first].clone()
+            return copied
+    return value
+
+
+def aliases_saved(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is (a view of) a tensor that the operation which made it saved for its backward, so
+    that writing into it in place makes backward fail. Operations that ran on it since are not seen: pyvene's
+    hooks run as the tensor is made (a forward hook) or as it enters the module (a pre-hook)."""
+    root = tensor if tensor._base is None else tensor._base
+    node = root.grad_fn
+    if node is None:  # nothing recorded a backward: nothing saved it
+        return False
+    storage = root.untyped_storage().data_ptr()
+    for name in _saved_names(type(node)):
+        saved = getattr(node, name)
+        for item in saved if isinstance(saved, (tuple, list)) else (saved,):
+            if isinstance(item, torch.Tensor) and item.untyped_storage().data_ptr() == storage:
+                return True
+    return False
+
+
+@functools.cache
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    return tuple(name for name in dir(node_type) if name.startswith("_saved_"))
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):

@@ -66,6 +66,7 @@ class ParityCase:
     """What to train. Every field takes part in the result; the defaults run in seconds on a CPU."""
 
     model: str = "llama"
+    attention: str = "eager"  # transformers' attn_implementation (models.ATTENTIONS)
     hidden_size: int | None = None  # None: the model builder's own (32 and 2 for the tiny models)
     num_layers: int | None = None
     intervention: str = "LoreftIntervention"
@@ -99,7 +100,8 @@ class ParityCase:
             raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
         shape = {"layers": self.num_layers, "hidden": self.hidden_size}
         return models.BASE_MODELS[self.model](
-            seed=self.seed, dtype=self.torch_dtype, **{k: v for k, v in shape.items() if v is not None}
+            seed=self.seed, dtype=self.torch_dtype, attention=self.attention,
+            **{k: v for k, v in shape.items() if v is not None}
         )
 
     def reft_model(self, base: nn.Module) -> nn.Module:
