@@ -28,9 +28,11 @@ def test_an_architecture_pyvene_does_not_map_is_named_with_the_way_to_map_it(pat
 
 BATCH, LENGTH = 4, 8
 LOCATIONS_THAT_DO_NOT_FIT = {
-    # one row for a batch of 4: pyvene gives no error and wrong outputs for examples 1 to 3
-    "one-row": ({"sources->base": (None, [[[3]], [[3]]])}, None,
-                "unit_locations['sources->base'][1][0] has 1 row but the batch has 4 examples"),
+    # two rows for a batch of 4: pyvene gives no error and wrong outputs for examples 2 and 3 (one row for
+    # them all applies to every example: test_locations.py)
+    "two-rows": ({"sources->base": (None, [[[3]] * 2, [[3]] * 2])}, None,
+                 "unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples: give one row per "
+                 "example, or one row for them all"),
     "five-rows": ({"sources->base": (None, [[[3]] * 5] * 2)}, None,
                   "unit_locations['sources->base'][1][0] has 5 rows but the batch has 4 examples"),
     "one-of-two-interventions": ({"sources->base": (None, [[[3]] * BATCH])}, None,
@@ -38,8 +40,8 @@ LOCATIONS_THAT_DO_NOT_FIT = {
     "position-past-the-end": ({"sources->base": (None, [[[3]] * BATCH, [[1]] * 3 + [[LENGTH]]])}, None,
                               "unit_locations['sources->base'][1][1] holds position 8 but the sequence has 8 "
                               "positions (0 to 7)"),
-    "tensor-one-row": ({"sources->base": (None, torch.zeros(2, 1, 1, dtype=torch.long))}, None,
-                       "unit_locations['sources->base'][1][0] has 1 row but the batch has 4 examples"),
+    "tensor-two-rows": ({"sources->base": (None, torch.zeros(2, 2, 1, dtype=torch.long))}, None,
+                        "unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples"),
     "subspaces-one-row": ({"base": 3}, [[[0]] * BATCH, [[0]]],
                           "subspaces[1] has 1 row but the batch has 4 examples"),
 }
@@ -58,7 +60,7 @@ def test_unit_locations_that_do_not_fit_the_batch_are_refused(patched, locations
 
 
 @pytest.mark.world_size(2)
-def test_one_row_of_locations_under_ddp_is_refused():
+def test_two_rows_of_locations_for_four_examples_under_ddp_are_refused():
     from torch.nn.parallel import DistributedDataParallel
 
     from pyvene_dist.testing import models
@@ -66,6 +68,6 @@ def test_one_row_of_locations_under_ddp_is_refused():
     helpers.patch()
     model = DistributedDataParallel(models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2))
     ids = torch.randint(models.VOCAB_SIZE, (BATCH, LENGTH))
-    with pytest.raises(ValueError, match=r"unit_locations\['sources->base'\]\[1\]\[0\] has 1 row but the batch "
+    with pytest.raises(ValueError, match=r"unit_locations\['sources->base'\]\[1\]\[0\] has 2 rows but the batch "
                                          r"has 4 examples"):
-        model({"input_ids": ids}, unit_locations={"sources->base": (None, [[[3]], [[3]]])}, labels=ids)
+        model({"input_ids": ids}, unit_locations={"sources->base": (None, [[[3]] * 2, [[3]] * 2])}, labels=ids)

@@ -23,17 +23,8 @@ def load(model_path, interventions, dtype="float32"):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
-    reft_model = pyreft.ReftModel.load(interventions, model)
-    # pyreft 0.1.0 builds LoReFT's learned_source in bfloat16 whatever the model's dtype, and loads the
-    # saved weights into it: read them again in float32, then give learned_source the model's dtype, as
-    # train_reft.py's --dtype did (pyreft keeps LoReFT's rotation in float32 at every dtype).
+    reft_model = pyreft.ReftModel.load(interventions, model)  # each weight in the dtype it was saved in
     reft_model.set_device(device)
-    for intervention in reft_model.interventions.values():
-        intervention.to(torch.float32)
-    reft_model.load_intervention(interventions, include_model=False)
-    for intervention in reft_model.interventions.values():
-        if hasattr(intervention, "learned_source"):
-            intervention.learned_source.to(model.dtype)
     reft_model.eval()
     return tokenizer, reft_model
 

@@ -16,6 +16,16 @@ What fails today:
 - ``IntervenableModel.load_intervention`` loads with ``map_location='cuda:0'``: on a CPU machine
   ``RuntimeError: Attempting to deserialize object on a CUDA device``, on rank 1 a copy on the wrong
   GPU. It now loads onto each intervention's own device.
+- ``ReftModel.load(folder, model)`` (pyvene's ``IntervenableModel.load``) rebuilds each intervention from
+  the saved config, which records no dtype, so LoReFT's ``learned_source`` comes back in pyreft's default,
+  bfloat16, whatever it was saved in: on a float32 model the first forward fails with ``RuntimeError:
+  mat1 and mat2 must have the same dtype, but got Float and BFloat16``, and float32 weights are rounded
+  to bfloat16 silently. LoReFT's rotation came back only to rounding (its parametrization is rebuilt
+  from the saved rotation). ``save`` now also writes ``intervention_states.bin`` (where this rank holds
+  the weights whole: no collective), and ``load`` restores every parameter in the dtype it was saved in,
+  from that file (exact) or, for folders without it, from pyreft's files. A base model ZeRO-3 partitioned
+  under ``zero.Init`` keeps the interventions in its dtype (``fixes.deepspeed``), as DeepSpeed needs.
+  ``load_intervention`` loads into existing parameters and keeps their dtypes, as ``load_state_dict`` does.
 - Resuming HF Trainer from a ``ReftTrainer`` checkpoint fails with ``ValueError: Can't find a valid
   checkpoint at .../checkpoint-N`` (pyreft writes ``intervenable_model/`` there, HF Trainer looks for
   ``model.safetensors``). It now loads ``intervenable_model/``. Since pyreft's compact form stores the
@@ -55,6 +65,8 @@ FIX = Fix(
              fingerprint="19611e1304ec39d4"),
         Site(f"{PYVENE}:IntervenableModel.load_intervention", "_wrap_load_intervention", kind="replace",
              fingerprint="f8a2b60e835d33e2"),
+        Site(f"{PYVENE}:IntervenableModel.save", "_wrap_save"),
+        Site(f"{PYVENE}:IntervenableModel.load", "_wrap_load"),
         Site("pyreft.interventions:LoreftIntervention.state_dict", "_wrap_loreft_state_dict"),
         Site("pyreft.interventions:LoreftIntervention.load_state_dict", "_wrap_loreft_load_state_dict",
              kind="replace", fingerprint="797643a93e01499d"),
@@ -162,6 +174,76 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
             path = os.path.join(load_directory, "pytorch_model.bin")
             state = torch.load(path, map_location="cpu", weights_only=True)
             instance.model.load_state_dict(state, strict=False)
+
+
+def _wrap_save(wrapped, instance, args, kwargs):
+    from ..gather import whole_here
+
+    wrapped(*args, **kwargs)
+    if all(whole_here(parameter) for parameter in instance.interventions.parameters()):
+        save_directory = args[0] if args else kwargs["save_directory"]
+        torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, STATES_FILE))
+
+
+def _wrap_load(wrapped, instance, args, kwargs):
+    load_directory, model, local_directory, from_hub, include_model = _load_arguments(*args, **kwargs)
+    if from_hub or not os.path.exists(load_directory):  # as pyvene does, so that the folder is known here
+        from huggingface_hub import snapshot_download
+
+        load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
+    loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=include_model)
+    _restore_as_saved(loaded, load_directory)
+    return loaded
+
+
+def _load_arguments(load_directory, model, local_directory=None, from_huggingface_hub=False, include_model=False):
+    return load_directory, model, local_directory, from_huggingface_hub, include_model
+
+
+def _restore_as_saved(model, directory: str) -> None:
+    """Every intervention's parameters in the dtype and with the values they were saved with: from
+    ``intervention_states.bin`` where ``save`` wrote it, else from each intervention's own file, read
+    again where pyvene had loaded it into another dtype."""
+    keep_dtypes = any(hasattr(parameter, "ds_id") for parameter in model.model.parameters())
+    states_file = os.path.join(directory, STATES_FILE)
+    if os.path.exists(states_file):
+        state = torch.load(states_file, map_location="cpu", weights_only=True)
+        if not keep_dtypes:
+            _take_saved_dtypes(model.interventions, state)
+        model.interventions.load_state_dict(state)
+        return
+    if keep_dtypes:
+        return
+    for key, intervention in model.interventions.items():
+        path = os.path.join(directory, f"intkey_{key}.bin")
+        if not os.path.exists(path):
+            continue
+        state = torch.load(path, map_location=_device_of(intervention), weights_only=True)
+        if _take_saved_dtypes(intervention, _module_names(state)):
+            intervention.load_state_dict(state)
+
+
+def _module_names(state: dict) -> dict:
+    """A saved intervention state under ``nn.Module``'s names: pyreft's compact LoReFT form holds
+    ``learned_source``'s entries and the rotation (in its parametrization's dtype) as ``rotate_layer``."""
+    if not isinstance(state.get("rotate_layer"), torch.Tensor):
+        return state
+    names = {f"learned_source.{key}": value for key, value in state.items() if key != "rotate_layer"}
+    names["rotate_layer.parametrizations.weight.original"] = state["rotate_layer"]
+    return names
+
+
+def _take_saved_dtypes(module: nn.Module, state: dict) -> bool:
+    """Give each floating-point parameter and buffer of ``module`` that ``state`` holds the saved dtype, in
+    place (the same ``Parameter`` objects); whether any changed."""
+    changed = False
+    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        saved = state.get(name)
+        if isinstance(saved, torch.Tensor) and saved.is_floating_point() and tensor.is_floating_point() \
+                and saved.dtype != tensor.dtype:
+            tensor.data = tensor.data.to(saved.dtype)
+            changed = True
+    return changed
 
 
 def _wrap_save_model(wrapped, instance, args, kwargs):

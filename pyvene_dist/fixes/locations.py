@@ -18,14 +18,20 @@ The fix, for stateless models in pyvene's parallel mode (ReFT's):
 
 Results are bit-identical: the same indices reach the same ``torch.gather`` and index writes.
 
-Locations that do not fit the batch are refused before anything runs, while they are still on the
-host. pyvene checks none of it: one row of locations for a batch of 4 gives no error and wrong outputs for examples 1 to 3 (the row is
-broadcast by the index arithmetic); 5 rows, locations for 1 of 2 interventions, or position 8 in a
-sequence of 8 fail deep inside with ``RuntimeError: Size does not match at dimension 0``,
-``IndexError: list index out of range`` or ``RuntimeError: index 8 is out of bounds``. Now: one entry per
-intervention, one row per example, positions of ``pos`` units inside the base sequence, and for
+One row of locations for the whole batch applies to every example, as pyvene already does for a single
+``int`` (``{"base": 3}``). pyvene's own unit test ``test_local_load_positive`` passes one row for a batch
+of 10: stock pyvene then intervened on example 0 alone, silently (the row reached its index arithmetic
+as it was). The row is repeated for every example, on either side, for ``pos`` units and for each
+level of nested ones (``h.pos``), in lists (the same row object) and tensors (``expand``, no copy).
+
+Locations that do not fit the batch otherwise are refused before anything runs, while they are still on
+the host. pyvene checks none of it: 5 rows for a batch of 4, locations for 1 of 2 interventions, or
+position 8 in a sequence of 8 fail deep inside with ``RuntimeError: Size does not match at dimension
+0``, ``IndexError: list index out of range`` or ``RuntimeError: index 8 is out of bounds``, and 2 rows
+for a batch of 4 give wrong outputs for examples 2 and 3. Now: one entry per intervention, one row per
+example (or one for them all), positions of ``pos`` units inside the base sequence, and for
 ``subspaces`` one entry per intervention and one row per example; the error names the entry, e.g.
-``unit_locations['sources->base'][1][0] has 1 row but the batch has 4 examples``. Only lengths and
+``unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples``. Only lengths and
 shapes are read, and values only where they are on the host (lists, CPU tensors): nothing waits for
 the GPU. Locations already on the GPU (pyreft's collated tensor) have their shape checked, not their values.
 
@@ -52,6 +58,7 @@ def _wrap_input_validation(wrapped, instance, args, kwargs):
     base, _, unit_locations, _, subspaces = _validation_arguments(*args, **kwargs)
     if instance.mode != "parallel" or not instance.is_model_stateless:
         return wrapped(*args, **kwargs)
+    repeat_one_row(instance, base, unit_locations)
     check_unit_locations(instance, base, unit_locations)
     check_subspaces(instance, base, subspaces)
     result = wrapped(*args, **kwargs)
@@ -64,8 +71,53 @@ def _validation_arguments(base, sources, unit_locations, activations_sources, su
     return base, sources, unit_locations, activations_sources, subspaces
 
 
+def repeat_one_row(model, base, broadcast: dict) -> None:
+    """Give every example the locations of a side given as one row for the whole batch.
+
+    ``broadcast`` is the dict pyvene's ``_broadcast_unit_locations`` just built, which ``forward`` goes on
+    to use; its values are replaced, never the caller's lists or tensors changed."""
+    batch, _ = _batch_and_length(base)
+    if not broadcast or batch is None or batch == 1:
+        return
+    units = [model.representations[key].unit for key in model.sorted_keys]
+    for key, pair in broadcast.items():
+        if isinstance(pair, (tuple, list)):
+            broadcast[key] = type(pair)(_side_for_every_example(part, units, batch) for part in pair)
+
+
+def _side_for_every_example(part, units: list[str], batch: int):
+    """One side: a tensor ``[interventions, rows, units]``, or one entry per intervention (a count that
+    differs is left for ``check_unit_locations`` to refuse)."""
+    if isinstance(part, torch.Tensor):
+        if part.dim() < 2 or part.shape[1] != 1:
+            return part
+        return part.expand(part.shape[0], batch, *part.shape[2:])
+    if not isinstance(part, (tuple, list)) or len(part) != len(units):
+        return part
+    return [
+        locations if locations is None or unit == "t"
+        else type(locations)(_rows_for_every_example(level, batch) for level in locations) if _is_nested(locations, unit)
+        else _rows_for_every_example(locations, batch)
+        for locations, unit in zip(part, units)
+    ]
+
+
+def _is_nested(locations, unit: str) -> bool:
+    """A nested unit's ``(heads, positions)`` pair, each level with its own rows."""
+    return "." in unit and isinstance(locations, (tuple, list)) and len(locations) == 2
+
+
+def _rows_for_every_example(rows, batch: int):
+    if _leading_length(rows) != 1:
+        return rows
+    if isinstance(rows, torch.Tensor):
+        return rows.expand(batch, *rows.shape[1:])
+    return [rows[0]] * batch
+
+
 def check_unit_locations(model, base, unit_locations) -> None:
-    """Broadcast ``unit_locations`` against the batch: raises ``ValueError`` naming the entry that does not fit."""
+    """Check ``unit_locations`` against the batch (after ``repeat_one_row``): raises ``ValueError`` naming the
+    entry that does not fit."""
     if not unit_locations:
         return
     batch, length = _batch_and_length(base)
@@ -82,12 +134,12 @@ def check_unit_locations(model, base, unit_locations) -> None:
                 if locations is None or unit == "t":
                     continue
                 name = f"{where}[{index}]"
-                if "." in unit and isinstance(locations, (tuple, list)) and len(locations) == 2:  # (heads, positions)
+                if _is_nested(locations, unit):
                     for level, levelled in enumerate(locations):
-                        _check_rows(f"{name}[{level}]", levelled, batch)
+                        _check_rows(f"{name}[{level}]", levelled, batch, shared_row=True)
                     _check_positions(f"{name}[1]", locations[1], length if side == 1 else None)
                 else:
-                    _check_rows(name, locations, batch)
+                    _check_rows(name, locations, batch, shared_row=True)
                     if unit == "pos":
                         _check_positions(name, locations, length if side == 1 else None)
 
@@ -124,13 +176,14 @@ def _check_count(where: str, part, expected: int) -> None:
                          "interventions: give one entry per intervention (None to leave one out)")
 
 
-def _check_rows(where: str, rows, batch: int | None) -> None:
+def _check_rows(where: str, rows, batch: int | None, *, shared_row: bool = False) -> None:
+    """``shared_row``: one row for the whole batch was accepted (and repeated) before this check."""
     if batch is None:
         return
     found = _leading_length(rows)
     if found is not None and found != batch:
         raise ValueError(f"{where} has {found} row{'s' * (found != 1)} but the batch has {batch} examples: "
-                         "give one row per example")
+                         f"give one row per example{', or one row for them all' * shared_row}")
 
 
 def _check_positions(where: str, rows, length: int | None) -> None:

@@ -1,0 +1,34 @@
+"""``model.zero_grad()`` clears every gradient of the model, the base model's trainable weights included.
+
+pyvene 0.1.8 overrides ``zero_grad()`` to clear the interventions' gradients only. HF Trainer clears
+gradients with ``model.zero_grad()`` after every optimizer step, so a base-model weight that trains
+beside the interventions keeps summing its gradients from step to step in one process: the GLUE
+classifier head of pyreft's ``examples/loreft/train.py --allow_cls_grad`` and the reward model's score
+head of ``examples/reward/train.py``. No error: the head's gradient at step *k* is the sum of steps 1
+to *k* (its norm grew 0.085, 0.184, 0.266, 0.350 over four steps of the reward example), and the run
+trains a different model. Under DDP the wrapper's ``zero_grad`` (``nn.Module``'s) clears everything,
+so one process and DDP disagreed.
+
+The fix is ``nn.Module.zero_grad``, with its signature (``set_to_none=True``), on the whole model: the
+wrapper, the base model and every intervention. pyvene's own ``set_zero_grad()`` is left as it is.
+
+Checked on pyvene 0.1.8 with torch 2.13 and transformers 5.24.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .._registry import Fix, Site
+
+FIX = Fix(
+    __name__,
+    sites=(Site("pyvene.models.intervenable_base:BaseModel.zero_grad", "_wrap_zero_grad",
+                kind="replace", fingerprint="1c63e00216189246"),),
+    upstream=("pyvene",),
+    checked={"pyvene": "==0.1.8"},
+)
+
+
+def _wrap_zero_grad(wrapped, instance, args, kwargs):
+    return nn.Module.zero_grad(instance, *args, **kwargs)

@@ -1,0 +1,87 @@
+"""``ReftModel.load`` in a fresh process gives back the trained model exactly, in the dtype it was saved in
+(fixes.checkpoints: ``IntervenableModel.save`` and ``load``).
+
+pyreft 0.1.0 rebuilt LoReFT's ``learned_source`` in bfloat16 whatever it was saved in (on a float32 model
+the first forward failed: ``mat1 and mat2 must have the same dtype, but got Float and BFloat16``), and
+LoReFT's rotation came back only to rounding.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pyvene_dist.testing import models
+
+#: A fresh interpreter: patched as the tests patch (PYVENE_DIST_TEST_WITHOUT applies), the checkpoint loaded
+#: with Auto*, the interventions with pyreft's ReftModel.load, then the same forward as the trained model's.
+LOAD_AND_ANSWER = """
+import sys, torch
+import helpers
+helpers.patch()
+import pyreft, transformers
+folder, saved, dtype, out = sys.argv[1:]
+model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                          attn_implementation="eager")
+reft_model = pyreft.ReftModel.load(saved, model)
+reft_model.eval()
+inputs = torch.load(out)
+with torch.no_grad():
+    _, answer = reft_model({"input_ids": inputs["ids"]}, unit_locations=inputs["locations"])
+torch.save({**inputs, "logits": answer.logits}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return models.save_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reloaded_interventions_answer_exactly_as_trained(patched, checkpoint, tmp_path, dtype):
+    import pyreft
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
+                                                              attn_implementation="eager")
+    reft_model = models.reft_model(model, layers=(0, 1), rank=2, dtype=getattr(torch, dtype))
+    examples = models.instruction_examples(8)
+    data_module = pyreft.make_last_position_supervised_data_module(
+        tokenizer, model, [e["instruction"] for e in examples], [e["output"] for e in examples], num_interventions=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                                          learning_rate=5e-2, report_to=[], use_cpu=True, save_strategy="no")
+    pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=args, **data_module).train()
+    saved = tmp_path / "saved"
+    reft_model.save(str(saved))
+
+    reft_model.eval()
+    ids = tokenizer([e["instruction"] for e in examples[:2]], return_tensors="pt")["input_ids"]
+    locations = {"sources->base": (None, [[[0, ids.shape[1] - 1]] * 2] * 2)}
+    with torch.no_grad():
+        _, trained = reft_model({"input_ids": ids}, unit_locations=locations)
+    out = tmp_path / "answer.pt"
+    torch.save({"ids": ids, "locations": locations}, out)
+    subprocess.run([sys.executable, "-c", LOAD_AND_ANSWER, str(checkpoint), str(saved), dtype, str(out)], check=True)
+    reloaded = torch.load(out)["logits"]
+    assert reloaded.dtype == trained.logits.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(reloaded, trained.logits, rtol=0, atol=0)
+
+
+def test_pyrefts_own_files_load_in_the_dtype_they_were_saved_in(patched, tmp_path):
+    """A folder without ``intervention_states.bin`` (stock pyreft's ``save``, a hub upload): every weight in
+    its saved dtype, the rotation to rounding (its parametrization is rebuilt from the saved rotation)."""
+    import pyreft
+
+    reft_model = models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2)
+    reft_model.save(str(tmp_path))
+    (tmp_path / "intervention_states.bin").unlink(missing_ok=True)
+    loaded = pyreft.ReftModel.load(str(tmp_path), models.tiny_llama())
+    assert {name: p.dtype for name, p in loaded.interventions.named_parameters()} == \
+        {name: p.dtype for name, p in reft_model.interventions.named_parameters()}
+    ids = torch.randint(models.VOCAB_SIZE, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, found = (model({"input_ids": ids}, unit_locations={"base": 3})[1].logits
+                           for model in (reft_model, loaded))
+    torch.testing.assert_close(found, expected)
