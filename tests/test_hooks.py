@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from pyvene_dist.testing.models import reft_model, tiny_llama
+from pyvene_dist.testing.models import reft_model, tiny_gpt2, tiny_llama
 
 LOCATIONS = {"sources->base": (None, [[[3]] * 2] * 2)}
 
@@ -68,7 +68,7 @@ def test_attention_value_output_trains_under_sdpa_as_under_eager(patched, model,
     copied before o_proj) is the reference."""
     from pyvene_dist.testing import ParityCase, assert_parity, train
 
-    eager = ParityCase(model=model, component=component, steps=2, batch_size=4)
+    eager = ParityCase(model=model, component=component, steps=1, batch_size=4)
     sdpa = dataclasses.replace(eager, attention="sdpa")
     assert_parity(train(eager), train(sdpa), eager.tolerance)
 
@@ -102,3 +102,25 @@ def test_a_copy_only_where_autograd_saved_the_tensor():
     assert not aliases_saved(torch.matmul(query, query).transpose(1, 2).contiguous())  # eager: a copy
     assert not aliases_saved(torch.nn.functional.linear(query, torch.randn(8, 8)))  # saves input, weight
     assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
+
+
+def test_attention_weight_is_refused_where_the_model_never_computes_it(patched):
+    """GPT-2's attn.attn_dropout, which pyvene hooks for attention_weight, runs under eager attention with
+    reorder_and_upcast_attn only (transformers 5): elsewhere stock pyvene applied no intervention, silently."""
+    inputs, locations = _inputs(), {"sources->base": (None, [[[3]] * 2])}
+    for attention, reorder, why in [("sdpa", True, "attn_implementation is 'sdpa', expected 'eager'"),
+                                    ("eager", False, "reorder_and_upcast_attn=True, found False")]:
+        base = tiny_gpt2(attention=attention)
+        base.config.reorder_and_upcast_attn = reorder
+        model = reft_model(base, layers=(0,), component="attention_weight")
+        with pytest.raises(ValueError, match=f"'attention_weight', which this model never computes.*{why}"):
+            model(inputs, unit_locations=locations)
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_gpt2().config
+    config.reorder_and_upcast_attn = True  # read as the layers are built
+    model = reft_model(GPT2LMHeadModel(config), layers=(0,), component="attention_weight")
+    # pyvene sizes the intervention to max_position_embeddings: the probabilities' last axis at full length
+    full = {"input_ids": torch.randint(97, (2, config.n_positions), generator=torch.Generator().manual_seed(0))}
+    original, intervened = model(full, unit_locations=locations, output_original_output=True)
+    assert not torch.equal(original.logits, intervened.logits)  # computed there, and the intervention acts

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 import helpers
 import pyvene_dist
+from pyvene_dist.fixes.hooks import ATTENTION_PROBABILITIES
 from pyvene_dist.testing import ParityCase, assert_parity, train
 from pyvene_dist.testing.matrix import Configuration
 from pyvene_dist.testing.parity import TOLERANCES
@@ -133,8 +134,22 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, configuration: Configur
                                msg=lambda detail: f"{what}: {detail}")
 
 
+def _refused(configuration: Configuration) -> bool:
+    """Draws the patch refuses: GPT-2's attention probabilities, whose module the tiny GPT-2 never calls
+    (``fixes.hooks``; stock pyvene silently applied no intervention there)."""
+    return configuration.component == ATTENTION_PROBABILITIES
+
+
 def check(configuration: Configuration) -> None:
     batch = configuration.batch()
+    if _refused(configuration):
+        helpers.patch()
+        try:
+            with pytest.raises(ValueError, match="'attention_weight', which this model never computes"):
+                _forward_backward(configuration, batch)
+        finally:
+            pyvene_dist.unpatch()
+        return
     try:
         stock = _forward_backward(configuration, batch)
     except Exception as failure:  # noqa: BLE001 -- a stock failure the patch must fix against a reference

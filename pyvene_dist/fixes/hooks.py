@@ -28,6 +28,13 @@ that copy (``writing_to_copies``), which changes neither outputs nor gradients. 
 nothing saved by the operation that made it (eager attention's copy, a linear layer's output) is
 written in place as before: no copy.
 
+An intervention at ``attention_weight`` (GPT-2's attention probabilities, the input of the module
+``attn.attn_dropout``) is refused where the model never calls that module, which stock pyvene silently
+left without an intervention (the matrix found it: training then failed with ``element 0 of tensors
+does not require grad``, inference was silently the base model's). ``sdpa``, flash and flex attention
+never compute the probabilities, and transformers 5's eager attention drops them out with
+``nn.functional.dropout``: the module runs only in ``reorder_and_upcast_attn=True``'s path.
+
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
@@ -98,7 +105,12 @@ def _wrap_hook_factory(wrapped, instance, args, kwargs):
     return handler_list
 
 
+#: GPT-2's attention probabilities: computed by its module under eager attention only (see the docstring).
+ATTENTION_PROBABILITIES = "attention_weight"
+
+
 def _wrap_setter_factory(wrapped, instance, args, kwargs):
+    _refuse_components_never_computed(instance, args[0] if args else kwargs["keys"])
     handler_list = wrapped(*args, **kwargs)
     kept = keeping(instance)
     for handle in handler_list.handlers:
@@ -111,6 +123,28 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
         return handler_list
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
+
+
+def _refuse_components_never_computed(model, keys) -> None:
+    for key in keys:
+        if model.representations[key].component == ATTENTION_PROBABILITIES:
+            why = _why_attention_probabilities_are_not_computed(getattr(model.model, "config", None))
+            if why:
+                raise ValueError(f"intervention {key!r} is at component {ATTENTION_PROBABILITIES!r}, which this "
+                                 f"model never computes, so it would never apply: {why}")
+
+
+def _why_attention_probabilities_are_not_computed(config) -> str | None:
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention != "eager":
+        return (f"the model's attn_implementation is {attention!r}, expected 'eager' (load the model with "
+                "attn_implementation='eager')")
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5 and not getattr(config, "reorder_and_upcast_attn", False):
+        return (f"transformers {transformers.__version__}'s eager attention applies dropout as a function and "
+                "calls attn.attn_dropout only with config.reorder_and_upcast_attn=True, found False")
+    return None
 
 
 Predicate = Callable[[torch.Tensor], bool]
