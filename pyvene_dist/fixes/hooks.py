@@ -24,9 +24,11 @@ for its backward. With an intervention at an earlier layer (so that the attentio
 backward) training fails in backward with ``one of the variables needed for gradient computation has
 been modified by an inplace operation: [torch.FloatTensor [4, 4, 16, 16]], which is output 0 of
 ScaledDotProductFlashAttentionForCpu``. The hook then hands pyvene a copy to write into and the module
-that copy (``writing_to_copies``), which changes neither outputs nor gradients. A tensor that aliases
-nothing saved by the operation that made it (eager attention's copy, a linear layer's output) is
-written in place as before: no copy.
+that copy (``writing_to_copies``), which changes neither outputs nor gradients. Whether the tensor aliases
+a saved one is read from the few autograd nodes that made it (``aliases_saved``: the sdpa node behind the
+views, also behind the autograd Function DeepSpeed ZeRO-3 puts around a module's inputs). A tensor that
+aliases nothing saved (eager attention's copy, a linear layer's output) is written in place as before:
+no copy; the check costs some 15-25 us per intervention and forward on a CPU.
 
 An intervention at ``attention_weight`` (GPT-2's attention probabilities, the input of the module
 ``attn.attn_dropout``) is refused where the model never calls that module, which stock pyvene silently
@@ -196,20 +198,32 @@ def _copy_first(value: Any, needs_copy: Predicate) -> Any:
     return value
 
 
+#: How many autograd nodes ``aliases_saved`` reads, nearest first: the producing operation and what sits between
+#: it and the hook (views; DeepSpeed ZeRO-3 passes a module's inputs through an autograd Function of its own).
+NODES_SEARCHED = 8
+
+
 def aliases_saved(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is (a view of) a tensor that the operation which made it saved for its backward, so
-    that writing into it in place makes backward fail. Operations that ran on it since are not seen: pyvene's
-    hooks run as the tensor is made (a forward hook) or as it enters the module (a pre-hook)."""
+    """Whether ``tensor`` shares its storage with a tensor that an operation among the last ``NODES_SEARCHED``
+    that made it saved for its backward, so that writing into it in place makes backward fail. Operations
+    that ran on it since are not seen: pyvene's hooks run as the tensor is made (a forward hook) or as it
+    enters the module (a pre-hook)."""
     root = tensor if tensor._base is None else tensor._base
-    node = root.grad_fn
-    if node is None:  # nothing recorded a backward: nothing saved it
+    if root.grad_fn is None:  # nothing recorded a backward: nothing saved it
         return False
     storage = root.untyped_storage().data_ptr()
-    for name in _saved_names(type(node)):
-        saved = getattr(node, name)
-        for item in saved if isinstance(saved, (tuple, list)) else (saved,):
-            if isinstance(item, torch.Tensor) and item.untyped_storage().data_ptr() == storage:
-                return True
+    pending, seen = [root.grad_fn], set()
+    while pending and len(seen) < NODES_SEARCHED:
+        node = pending.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in _saved_names(type(node)):
+            saved = getattr(node, name)
+            for item in saved if isinstance(saved, (tuple, list)) else (saved,):
+                if isinstance(item, torch.Tensor) and item.untyped_storage().data_ptr() == storage:
+                    return True
+        pending.extend(next_node for next_node, _ in node.next_functions)
     return False
 
 
