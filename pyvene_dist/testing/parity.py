@@ -89,7 +89,7 @@ class ParityCase:
     seq_len: int = 16  # the padded length; each example has between half of it and all of it
     padding: str = "right"  # the side examples are padded on
     accumulation: int = 2  # micro-batches per optimizer step (of batch_size examples each)
-    trainable_head: bool = True  # lm_head (a classifier's score) trains beside the interventions
+    trainable_head: bool = True  # lm_head (a classifier's score) trains beside the interventions, unless tied
     dtype: str = "float32"
     lr: float = 1e-2
     weight_decay: float = 0.01
@@ -109,7 +109,9 @@ class ParityCase:
         if self.trainable_head:
             head = getattr(model.model, "score", None) if self.model in models.CLASSIFIERS \
                 else model.model.get_output_embeddings()
-            head.requires_grad_(True)
+            # GPT-2's lm_head is its input embedding: training it is training the embedding, not a head
+            if head.weight is not model.model.get_input_embeddings().weight:
+                head.requires_grad_(True)
         return model
 
     def base_model(self) -> nn.Module:
@@ -328,6 +330,14 @@ class FSDP2(DDP):
     """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fsdp.fully_shard_model``)."""
 
     name = "fsdp2"
+
+    def prepare(self, model, optimizer, case):
+        # fully_shard replaces the base model's parameters with sharded ones (a trainable head's too): the
+        # optimizer is made again over them, with the same settings.
+        from ..optim import param_groups
+
+        wrapped = self.wrap(model)
+        return wrapped, torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)  # as train() makes it
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from ..fsdp import fully_shard_model
