@@ -37,15 +37,16 @@ SHAPES = {
 }
 
 
-def llama(shape: str, *, dtype: torch.dtype, device: torch.device, checkpointing: bool = False, seed: int = 0):
+def llama(shape: str, *, dtype: torch.dtype, device: torch.device, checkpointing: bool = False, seed: int = 0,
+          layers: int | None = None):
     """A Llama of ``shape`` (a key of ``SHAPES``), its random weights made on ``device`` in ``dtype`` (a 7B
     model in seconds, where the host would take minutes), sdpa attention; ``checkpointing``: non-reentrant
-    activation checkpointing of every decoder layer."""
+    activation checkpointing of every decoder layer; ``layers``: that many decoder layers instead."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape not in SHAPES:
         raise ValueError(f"model shape {shape!r} is not one of {sorted(SHAPES)}")
-    config = LlamaConfig(**SHAPES[shape])
+    config = LlamaConfig(**{**SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})})
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     default = torch.get_default_dtype()

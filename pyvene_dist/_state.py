@@ -39,8 +39,16 @@ class ModelState:
     reduced: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     #: ``data_parallel``: for a replica, its device (its weights are plain tensors that cannot say).
     replica_device: Any = None
+    #: ``data_parallel``: the names from the base model down to its first parameter (``get_device``).
+    first_parameter: Any = None
+    #: ``data_parallel``: the signature of the model's ``forward`` (scatter binds its arguments to it).
+    forward_signature: Any = None
+    #: ``data_parallel``: intervention key -> the name of the module its hook sits on.
+    hooked_module_names: Any = None
     #: ``data_parallel``: devices whose Householder product was initialised from the calling thread.
     warmed_devices: set = dataclasses.field(default_factory=set)
+    #: ``tensor_parallel``: whether the base model holds DTensor parameters (None: not looked yet).
+    dtensor_parameters: Any = None
     #: ``orthogonal``: each torch orthogonal parametrization adopted for this model -> torch's class, which
     #: it is given back at close (its class is ``ReftOrthogonal`` while patched).
     rotations: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
@@ -62,6 +70,10 @@ class ModelState:
             handle.remove()
         self.reduced = weakref.WeakKeyDictionary()
         self.replica_device = None
+        self.forward_signature = None
+        self.first_parameter = None
+        self.hooked_module_names = None
+        self.dtensor_parameters = None
         self.warmed_devices = set()
         for rotation, torchs in list(self.rotations.items()):
             if type(rotation) is not torchs:

@@ -113,6 +113,24 @@ def test_generation_smoke_intervenes_on_every_token_as_stock_pyvene(tmp_path):
     assert by["pyvene_dist"]["baseline"] == "bare" and by["pyvene_dist"]["new_tokens"] == 8
 
 
+def test_calls_smoke_counts_the_same_calls_in_two_runs(tmp_path):
+    """Call counts are deterministic: two runs write the same positive integers for every provider and measure."""
+    runs = [_smoke_rows(tmp_path / str(run), "calls.py") for run in range(2)]
+    _assert_metadata_of_counts(runs[0])
+    counts = [{(r["provider"], r["measure"]): (r["calls"], r.get("calls_per_token")) for r in rows} for rows in runs]
+    assert set(counts[0]) == {(p, m) for p in ("bare", "pyvene", "pyvene_dist") for m in ("forward", "train", "generate")}
+    assert counts[0] == counts[1]
+    for calls, per_token in counts[0].values():
+        assert isinstance(calls, int) and calls > 0
+        assert per_token is None or (per_token > 0 and per_token == int(per_token))
+    assert all(r["repeats"] for rows in runs for r in rows)
+
+
+def _assert_metadata_of_counts(rows):
+    for row in rows:
+        assert row["commit"] and row["versions"]["pyvene"] and row["gpu"] and row["time"] and row["batch"]
+
+
 def test_plot_draws_the_rows(tmp_path):
     pytest.importorskip("matplotlib")
     rows = tmp_path / "rows.jsonl"

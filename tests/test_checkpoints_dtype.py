@@ -70,13 +70,13 @@ def test_reloaded_interventions_answer_exactly_as_trained(patched, checkpoint, t
 
 
 def test_pyrefts_own_files_load_in_the_dtype_they_were_saved_in(patched, tmp_path):
-    """A folder without ``intervention_states.bin`` (stock pyreft's ``save``, a hub upload): every weight in
+    """A folder without ``intervention_states.pt`` (stock pyreft's ``save``, a hub upload): every weight in
     its saved dtype, the rotation to rounding (its parametrization is rebuilt from the saved rotation)."""
     import pyreft
 
     reft_model = models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2)
     reft_model.save(str(tmp_path))
-    (tmp_path / "intervention_states.bin").unlink(missing_ok=True)
+    (tmp_path / "intervention_states.pt").unlink(missing_ok=True)
     loaded = pyreft.ReftModel.load(str(tmp_path), models.tiny_llama())
     assert {name: p.dtype for name, p in loaded.interventions.named_parameters()} == \
         {name: p.dtype for name, p in reft_model.interventions.named_parameters()}

@@ -97,6 +97,10 @@ TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
 #: Commands other tests (or CI's setup) run.
 RUN_BY: dict[str, RunBy] = {
     **TRAIN_REFT_COMMANDS,
+    **{command: RunBy("tests/workloads/test_example_scripts.py::test_alpaca_train_under_torchrun_matches_one_process",
+                      evidence) for command, evidence in (
+        ('python docs/examples/run_pyreft_example.py path/to/pyreft/examples/alpaca/train.py --model_name_or_path path/to/model --data_path alpaca_data.json --output_dir out --layers "0;1" --position f1+l1 --gradient_accumulation_steps 2', ("WRAPPER", "nproc > 1")),
+        ('torchrun --nproc_per_node 2 docs/examples/run_pyreft_example.py path/to/pyreft/examples/alpaca/train.py --model_name_or_path path/to/model --data_path alpaca_data.json --output_dir out --layers "0;1" --position f1+l1 --gradient_accumulation_steps 2', ('"--nproc_per_node", str(nproc)',)))},
     "bash scripts/setup.sh": CI,
     ".venv/bin/python -m pytest": CI,
     "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),

@@ -197,6 +197,30 @@ def launched(checkpoint, tmp_path_factory):
     return get
 
 
+def test_a_tokenizer_saved_without_a_length_trains_to_the_model_length(checkpoint, tmp_path):
+    """pyreft's data helpers truncate to ``tokenizer.model_max_length``: a tokenizer saved without one holds
+    1e30, and they stopped with ``OverflowError: int too big to convert``. The script passes the model's
+    ``max_position_embeddings`` (or ``--model_max_length``)."""
+    import shutil
+
+    folder = tmp_path / "no-length"
+    shutil.copytree(checkpoint, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["model_max_length"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(folder).model_max_length > 2 ** 63  # as saved: no length
+    flags = [flag for flag in FLAGS if flag not in ("--prompt", PROMPT)]
+    for extra, name in (([], "default"), (["--model_max_length", "5"], "flag")):
+        run_together([[TRAIN, "--model", str(folder), "--data", str(checkpoint / "train.json"), *flags, "--max_steps",
+                       "1", "--output_dir", str(tmp_path / name), *extra]], cwd=ROOT, timeout=300)
+    logged = {name: json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"][0]
+              for name in ("default", "flag")}
+    # The examples are 6 tokens long: kept whole at the model's 128 positions, cut to 5 by the flag.
+    assert logged["default"]["loss"] != logged["flag"]["loss"]
+
+
 def test_one_process_logs_saves_and_answers(one_process):
     assert len(one_process.losses) == STEPS
     assert len({name.split(":")[0] for name in one_process.weights}) == 4  # 2 layers x first and last position

@@ -220,3 +220,38 @@ def test_lambda(transform):
         "ranks, which get their arguments pickled: *lambda*",
     ])
     assert "Traceback" not in result.stdout.str()
+
+
+LEAVES_A_SEMAPHORE = '''
+import multiprocessing, sys, tempfile, time
+from multiprocessing import util
+
+from pyvene_dist.testing.launch import spawn
+
+
+def body():
+    """A semaphore made in the rank (as DeepSpeed and accelerate make them), then a slow exit handler: run
+    before the semaphore's own (higher priority first), it holds the rank in its exit after it reported."""
+    body.lock = multiprocessing.get_context("spawn").Lock()
+    util.Finalize(None, time.sleep, args=(3,), exitpriority=10)
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as folder:
+        outcome = spawn(body, world_size=1, workdir=folder)
+    sys.exit(1 if outcome.failed else 0)
+'''
+
+
+def test_a_rank_that_reported_exits_by_itself_and_leaks_nothing(tmp_path):
+    """``pyvene-dist check`` ended with ``resource_tracker: There appear to be 1 leaked semaphore objects``:
+    the parent killed every rank still alive once all had reported, inside their exit handlers, before they
+    released what they made."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves_a_semaphore.py"
+    script.write_text(LEAVES_A_SEMAPHORE)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "leaked semaphore" not in result.stderr, result.stderr

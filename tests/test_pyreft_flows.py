@@ -149,6 +149,19 @@ def test_alpaca_multigpu_example_saves_checkpoints_and_loads_on_every_rank(model
                                        msg=f"{key}.{name}")
 
 
+@pytest.mark.world_size(2, timeout=120)
+def test_alpaca_multigpu_example_logging_on_rank_0_only_is_refused_on_every_rank(model_folder, tmp_path):
+    """The example sets ``logging_steps = 1`` on rank 0 only; saving every step, rank 0's loss and FLO gathers
+    met rank 1's checkpoint collectives and the run hung at the first checkpoint (the issue saw ``Parent
+    directory .../checkpoint-2 does not exist`` in 2 of 3 runs). Now every rank refuses it before a step."""
+    rank = dist.get_rank()
+    with pytest.raises(ValueError) as error:
+        alpaca_flow(model_folder, tmp_path / "out", logging_steps=1 if rank == 0 else 500)
+    assert "the ranks' TrainingArguments differ: logging_steps is 1 on rank 0, 500 on rank 1." in str(error.value)
+    assert "pass --logging_steps 1" in str(error.value)
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
 @pytest.mark.world_size(2)
 def test_alpaca_multigpu_example_trains_with_gradient_checkpointing(model_folder, tmp_path):
     """The example with ``--gradient_checkpointing``: HF Trainer enabled it on the DDP wrapper it was handed,

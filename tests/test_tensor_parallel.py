@@ -192,3 +192,53 @@ def test_tensor_parallel_of_one_gpu_matches_one_gpu(component):
         reference = train(parity_case, "single")
         print(f"{strategy} x1 GPU {component}: {differences(reference, candidate)}")
         assert_parity(reference, candidate, parity_case.tolerance)
+
+
+# ------------------------------------------------------------------------------- per-model facts
+def _forward(model, batch):
+    with torch.no_grad():
+        return model({"input_ids": batch["input_ids"]}, unit_locations={"sources->base": (None, batch["locations"])})
+
+
+def _counting_walks(monkeypatch) -> list:
+    """Every model ``tensor_parallel.has_dtensor_parameters`` walks from now on."""
+    import torch.distributed.tensor  # noqa: F401  (FSDP2 and transformers import it; the walk runs only then)
+
+    from pyvene_dist.fixes import tensor_parallel
+
+    walked, walk = [], tensor_parallel.has_dtensor_parameters
+    monkeypatch.setattr(tensor_parallel, "has_dtensor_parameters", lambda model: walked.append(model) or walk(model))
+    return walked
+
+
+def test_the_parameters_are_walked_at_the_first_forward_only(patched, monkeypatch):
+    """Whether a model is tensor-parallel is found once and kept in its state: every parameter was walked on
+    each forward before (three walks here), some 1,900 Python calls per forward of an 8-layer model."""
+    walked = _counting_walks(monkeypatch)
+    parity_case = ParityCase()
+    model = parity_case.build()
+    for batch in parity_case.batches(3):
+        _forward(model, batch)
+    assert walked == [model.model]
+
+
+@pytest.mark.world_size(1)
+def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch):
+    """A forward before fully_shard found plain parameters; fully_shard of the pyvene model (its parameters
+    now DTensors) makes the next forward look again, and find them."""
+    from pyvene_dist.fsdp import fully_shard_model
+
+    helpers.patch()
+    walked = _counting_walks(monkeypatch)
+    parity_case = ParityCase()
+    model = parity_case.build()
+    first, second = parity_case.batches(2)
+    unsharded = _forward(model, first)[1].logits
+    fully_shard_model(model)
+    sharded = _forward(model, first)[1].logits
+    _forward(model, second)
+    assert walked == [model.model, model.model]
+    from pyvene_dist._registry import REGISTRY
+
+    assert REGISTRY.models.get(model).dtensor_parameters is True
+    torch.testing.assert_close(sharded, unsharded, rtol=0, atol=0)

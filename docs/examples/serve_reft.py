@@ -2,7 +2,8 @@
 
     python docs/examples/serve_reft.py --model PATH --interventions out/reft --prompt "..." [--out answer.pt]
 
-``--positions`` and ``--share_weights`` must be the ones the interventions were trained with.
+``--positions`` and ``--share_weights`` must be the ones the interventions were trained with, and
+``--dtype`` the model's dtype in training: the interventions come back in the dtype they were saved in.
 """
 
 import argparse

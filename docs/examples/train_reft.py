@@ -11,6 +11,7 @@ JSONL) of {"instruction": ..., "output": ...}. Every HF ``TrainingArguments`` fl
 Trainer (``--bf16``, ``--gradient_checkpointing``, ``--deepspeed``, ``--per_device_train_batch_size``).
 The interventions are saved once, in pyreft's format (``ReftModel.save``), to ``--save_dir``
 (default ``OUTPUT_DIR/reft``); ``docs/examples/serve_reft.py`` loads them for generation.
+Examples are cut to ``--model_max_length`` tokens (default: the model's ``max_position_embeddings``).
 """
 
 import dataclasses
@@ -47,6 +48,9 @@ class ReftArguments:
     prompt: str = dataclasses.field(default=None, metadata={"help": "after training, answer it greedily and "
                                                                     "save the answer to OUTPUT_DIR/answer.pt"})
     max_new_tokens: int = dataclasses.field(default=16, metadata={"help": "for --prompt"})
+    model_max_length: int = dataclasses.field(default=None, metadata={
+        "help": "tokens kept of each example (pyreft's data helpers truncate to it); default: the model's "
+                "max_position_embeddings"})
 
 
 def parse_arguments(argv=None):
@@ -62,11 +66,23 @@ def parse_arguments(argv=None):
 def load_model(reft_args):
     """The tokenizer and model from ``--model``. Called after ``TrainingArguments`` exist: with a ZeRO-3
     config they have set up DeepSpeed, and ``from_pretrained`` loads each parameter partitioned (zero.Init)."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(reft_args.model)
+    length = reft_args.model_max_length or max_positions(transformers.AutoConfig.from_pretrained(reft_args.model))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reft_args.model, model_max_length=length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
     model = transformers.AutoModelForCausalLM.from_pretrained(reft_args.model, dtype=getattr(torch, reft_args.dtype))
     return tokenizer, model
+
+
+def max_positions(config) -> int:
+    """How many positions the model takes. pyreft's data helpers truncate to the tokenizer's
+    ``model_max_length``, which a tokenizer saved without one holds as 1e30: ``OverflowError: int too big to
+    convert``. pyreft's own examples pass ``model_max_length``; this script passes the model's length."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    raise ValueError(f"--model: its {type(config).__name__} names no maximum length "
+                     "(max_position_embeddings, n_positions); pass --model_max_length")
 
 
 def interventions_per_layer(reft_args) -> int:

@@ -21,7 +21,7 @@ What fails today:
   bfloat16, whatever it was saved in: on a float32 model the first forward fails with ``RuntimeError:
   mat1 and mat2 must have the same dtype, but got Float and BFloat16``, and float32 weights are rounded
   to bfloat16 silently. LoReFT's rotation came back only to rounding (its parametrization is rebuilt
-  from the saved rotation). ``save`` now also writes ``intervention_states.bin`` (where this rank holds
+  from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (where this rank holds
   the weights whole: no collective), and ``load`` restores every parameter in the dtype it was saved in,
   from that file (exact) or, for folders without it, from pyreft's files. A base model ZeRO-3 partitioned
   under ``zero.Init`` keeps the interventions in its dtype (``fixes.deepspeed``), as DeepSpeed needs.
@@ -82,6 +82,8 @@ FIX = Fix(
 )
 #: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
 STATES_FILE = "intervention_states.bin"
+#: The same, written by ``save`` beside pyvene's files (not a ``.bin``: pyvene's own tests count those).
+SAVED_STATES_FILE = "intervention_states.pt"
 INTERVENTIONS_DIR = "intervenable_model"
 
 
@@ -182,7 +184,7 @@ def _wrap_save(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     if all(whole_here(parameter) for parameter in instance.interventions.parameters()):
         save_directory = args[0] if args else kwargs["save_directory"]
-        torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, STATES_FILE))
+        torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, SAVED_STATES_FILE))
 
 
 def _wrap_load(wrapped, instance, args, kwargs):
@@ -202,10 +204,10 @@ def _load_arguments(load_directory, model, local_directory=None, from_huggingfac
 
 def _restore_as_saved(model, directory: str) -> None:
     """Every intervention's parameters in the dtype and with the values they were saved with: from
-    ``intervention_states.bin`` where ``save`` wrote it, else from each intervention's own file, read
+    ``intervention_states.pt`` where ``save`` wrote it, else from each intervention's own file, read
     again where pyvene had loaded it into another dtype."""
     keep_dtypes = any(hasattr(parameter, "ds_id") for parameter in model.model.parameters())
-    states_file = os.path.join(directory, STATES_FILE)
+    states_file = os.path.join(directory, SAVED_STATES_FILE)
     if os.path.exists(states_file):
         state = torch.load(states_file, map_location="cpu", weights_only=True)
         if not keep_dtypes:

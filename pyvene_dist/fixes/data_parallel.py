@@ -13,13 +13,16 @@ parametrization, first called in DataParallel's threads.
   device. Other models go through the original untouched.
 - ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
   pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
-  its hook dicts (hooks present before stay; new ones stay its own), ``intervention_hooks`` bound to
-  its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
+  the hook dicts of the modules pyvene hooks (hooks present before stay; new ones stay its own; every
+  module's without ``fixes.hooks``, as pyvene then pops every hook after each forward),
+  ``intervention_hooks`` bound to its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
   once per device from the calling thread.
 - ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
-  ``model.device`` has no parameter to look at).
+  ``model.device`` has no parameter to look at). Any other model answers its first parameter's device
+  through the path to that parameter, found at the first call, without walking the modules each time.
 
-What the fix knows (a replica's device, the devices it initialised) is kept in the model's state
+What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
+the names of its hooked modules, found once per model) is kept in the model's state
 (``REGISTRY.models``), not on the model. ``is_replica`` is the one reader of torch's private mark of a
 replica, for the fixes that leave replicas alone.
 
@@ -68,8 +71,8 @@ def _wrap_scatter(wrapped, instance, args, kwargs):
     model = instance.module
     if not isinstance(model, IntervenableModel):
         return wrapped(*args, **kwargs)
-    inputs, module_kwargs, device_ids = _bind(wrapped, args, kwargs, "inputs", "kwargs", "device_ids")
-    arguments = inspect.signature(model.forward).bind(*inputs, **module_kwargs).arguments
+    inputs, module_kwargs, device_ids = _arguments(args, kwargs, "inputs", "kwargs", "device_ids")
+    arguments = _forward_signature(model).bind(*inputs, **module_kwargs).arguments
     sizes = chunk_sizes(batch_size_of(arguments["base"]), len(device_ids))
     pieces = split_forward_arguments(model, arguments, sizes)
     devices = [_cuda(device_id) for device_id in device_ids[: len(sizes)]]
@@ -82,7 +85,7 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
     replicas = wrapped(*args, **kwargs)
     original = instance.module
     if isinstance(original, BaseModel):
-        _, device_ids = _bind(wrapped, args, kwargs, "module", "device_ids")
+        _, device_ids = _arguments(args, kwargs, "module", "device_ids")
         for replica, device_id in zip(replicas, device_ids):
             device = _cuda(device_id)
             _warm_householder(original, device)
@@ -91,22 +94,53 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
 
 
 def _wrap_get_device(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.get(instance)
-    device = None if state is None else state.replica_device
-    return device if device is not None else wrapped(*args, **kwargs)
+    state = REGISTRY.models.of(instance)
+    if state.replica_device is not None:
+        return state.replica_device
+    parameter = _first_parameter(instance.model, state.first_parameter)
+    if parameter is not None:
+        return parameter.device
+    device = wrapped(*args, **kwargs)
+    state.first_parameter = next((tuple(name.split(".")) for name, _ in instance.model.named_parameters()), None)
+    return device
+
+
+def _first_parameter(model, path):
+    """The parameter at ``path`` (names from ``model`` down), or None where nothing is there now.
+
+    pyvene's ``get_device`` is ``model.device``, transformers' device of the first parameter, found by
+    walking the modules (36 Python calls), and pyvene asks it twice per intervention per forward and per
+    generated token (for gather and scatter, which ``fixes.devices`` makes ignore it): some 290 calls per
+    token of every-token generation with 4 interventions. The path to that parameter is found once; the
+    parameter is read through it each time (a moved model, FSDP's unsharded parameters, a replaced module
+    are seen), and looked for again when the path no longer leads to one."""
+    if path is None:
+        return None
+    module = model
+    for name in path[:-1]:
+        module = module._modules.get(name)
+        if module is None:
+            return None
+    parameter = module._parameters.get(path[-1])
+    return parameter if isinstance(parameter, torch.Tensor) else None
 
 
 def _make_independent(replica, original, device: torch.device) -> None:
     from pyvene.models.intervention_utils import InterventionState
 
-    for module in replica.modules():
+    state = REGISTRY.models.of(original)
+    if state.hooked_module_names is None:
+        module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
+        state.hooked_module_names = {key: module_names[id(register.__self__)]
+                                     for key, register in original.intervention_hooks.items()}
+    hooks = {key: getattr(replica.get_submodule(name), original.intervention_hooks[key].__name__)
+             for key, name in state.hooked_module_names.items()}
+    # pyvene registers its hooks on the hooked modules only; unless fixes.hooks removes just those, it pops
+    # every hook of every module after each forward, which in a shared dict would be the original's.
+    changed = (register.__self__ for register in hooks.values()) if hooks_fix_applied() else replica.modules()
+    for module in changed:
         for name in _HOOK_DICTS:
             module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
-    module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
-    hooks = {}
-    for key, register in original.intervention_hooks.items():
-        owner = replica.get_submodule(module_names[id(register.__self__)])
-        hooks[key] = getattr(owner, register.__name__)
     replica.__dict__.update({
         "intervention_hooks": hooks,
         "activations": {},
@@ -128,10 +162,24 @@ def _warm_householder(model, device: torch.device) -> None:
         warmed.add(device)
 
 
-def _bind(wrapped, args, kwargs, *names):
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return tuple(bound.arguments[name] for name in names)
+def hooks_fix_applied() -> bool:
+    from . import hooks
+
+    return hooks.FIX.name in REGISTRY.applied
+
+
+def _arguments(args, kwargs, *names):
+    """The arguments ``names`` of a call of torch's ``DataParallel.scatter``/``replicate``, by position or by
+    keyword: their signatures are fixed and have no defaults, so nothing is bound per forward."""
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
+
+
+def _forward_signature(model) -> inspect.Signature:
+    """The signature of ``model.forward``, found once and kept in the model's state."""
+    state = REGISTRY.models.of(model)
+    if state.forward_signature is None:
+        state.forward_signature = inspect.signature(model.forward)
+    return state.forward_signature
 
 
 def _cuda(device_id: int) -> torch.device:

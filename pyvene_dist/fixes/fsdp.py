@@ -71,6 +71,8 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     parameters = {p for model in models for p in model.interventions.parameters()}
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
+    for model in models:  # its parameters are DTensors now: tensor_parallel looks again
+        REGISTRY.models.of(model).dtensor_parameters = None
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     _place_and_reduce(models, _compute_device(modules, parameters), groups)

@@ -33,7 +33,8 @@ Interventions stay plain, replicated tensors; their gradients are left to the da
 Wraps ``IntervenableModel._wait_for_forward_with_parallel_intervention`` and
 ``..._serial_intervention``, where pyvene registers its hooks: for a model with DTensor parameters, the
 hook registrars it uses (``intervention_hooks``) are swapped, for that call only, for ones that put
-the TP-aware hook around pyvene's. Checked on pyvene 0.1.8, torch 2.13, transformers 5.24 (CPU, gloo).
+the TP-aware hook around pyvene's. Whether the model has DTensor parameters is found once, at its first
+forward, and kept in its state (``_is_tensor_parallel``). Checked on pyvene 0.1.8, torch 2.13, transformers 5.24 (CPU, gloo).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._registry import Fix, Site
+from .._registry import REGISTRY, Fix, Site
 
 _INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
 FIX = Fix(
@@ -58,7 +59,7 @@ FIX = Fix(
 
 
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
-    if not has_dtensor_parameters(instance.model):
+    if not _is_tensor_parallel(instance):
         return wrapped(*args, **kwargs)
     registrars = instance.intervention_hooks
     instance.intervention_hooks = {
@@ -71,6 +72,20 @@ def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         instance.intervention_hooks = registrars
+
+
+def _is_tensor_parallel(intervenable) -> bool:
+    """Whether ``intervenable``'s base model holds DTensor parameters, as found at its first forward and kept
+    in its state (``ModelState.dtensor_parameters``): the walk over every parameter is not repeated per
+    forward. This relies on the base model being parallelized (``from_pretrained(tp_plan=...)``,
+    ``parallelize_module``) before its first intervened forward, as the strategies' docs have it; FSDP2's
+    ``fully_shard`` of the pyvene model, which may follow a forward, forgets the fact (``fixes.fsdp``)."""
+    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor
+        return False
+    state = REGISTRY.models.of(intervenable)
+    if state.dtensor_parameters is None:
+        state.dtensor_parameters = has_dtensor_parameters(intervenable.model)
+    return state.dtensor_parameters
 
 
 def has_dtensor_parameters(model: nn.Module) -> bool:

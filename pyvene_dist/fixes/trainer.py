@@ -3,11 +3,27 @@
 1. transformers 4.46+ calls ``compute_loss(model, inputs, num_items_in_batch=...)``; pyreft 0.1.0's
    ``ReftTrainer.compute_loss`` and ``ReftTrainerForSequenceClassification.compute_loss`` take
    ``(intervenable, inputs, return_outputs=False)``: ``TypeError: ReftTrainer.compute_loss() got an
-   unexpected keyword argument 'num_items_in_batch'`` at the first step. The fix passes on only the
-   keywords the installed method declares (all of them where it takes ``**kwargs``, as pyreft's git
-   HEAD does). Dropping ``num_items_in_batch`` is exact: pyreft's loss is the model's own per-batch
-   mean, and HF Trainer, seeing that ``IntervenableModel.forward`` takes no loss keywords, divides it
-   by the accumulation steps itself.
+   unexpected keyword argument 'num_items_in_batch'`` at the first step. So does a subclass written to that
+   signature (pyreft's ``examples/reward/train.py``). The fix passes on only the keywords a method declares
+   (all of them where it takes ``**kwargs``, as pyreft's git HEAD does), for pyreft's methods and for those
+   of every subclass made into a trainer while patched (wrapped then, put back by ``unpatch()``).
+   pyreft's loss is the micro-batch's own mean (the base model's, over its label tokens; the classifier's,
+   over its examples), and HF Trainer, seeing that ``IntervenableModel.forward`` takes no loss keywords,
+   neither counted the batch's items nor passed the count: under DDP the loss was the mean of per-rank
+   means, with gradient accumulation the mean of micro-batch means. Neither is the batch's mean when
+   examples have different numbers of label tokens (alpaca: 1.4e-2 off one process). Where the loss is
+   pyreft's, HF Trainer now counts the label items of each step on every rank (shifted for a causal LM, as
+   HF counts them) and skips its division by the accumulation steps; ``compute_loss`` weighs the
+   micro-batch's mean by its share of that count, times the ranks whose gradients are averaged (HF's
+   ``average_tokens_across_devices``, on by default): the whole batch's mean, as HF computes it for models
+   that take ``num_items_in_batch`` (pyvene's forward has no way to pass it to the base model's loss). One
+   process without accumulation trains as before, to rounding. A subclass's own ``compute_loss`` is HF's
+   per-micro-batch mean, divided by the accumulation steps and averaged over the ranks: the whole batch's
+   mean only when every micro-batch holds as many items (the reward loss: pairs), not for a short last
+   batch. Under ``nn.DataParallel`` (``n_gpu > 1``) the loss stays each replica's mean.
+   ``ReftTrainer.compute_loss(..., return_outputs=True)`` returned the outputs twice, where HF Trainer's
+   evaluation reads ``(loss, outputs)``: ``trainer.evaluate()`` failed with ``AttributeError:
+   'CausalLMOutputWithPast' object has no attribute 'detach'``. It returns ``(loss, outputs)``.
 2. With ``remove_unused_columns=True`` (the default) HF Trainer keeps only the columns named in
    ``model.forward``'s signature; ``IntervenableModel.forward(base, sources, unit_locations, ...)``
    names none of pyreft's, so ``compute_loss`` fails with ``KeyError: 'input_ids'``. The fix adds the
@@ -52,6 +68,14 @@
    arguments). DeepSpeed casts nothing already partitioned and silently mixes the precisions: a bf16 run
    trained its first step in float32, and resuming it from its own checkpoint ended 3.4e-5 off. pyreft's
    trainers refuse it at ``train``, naming both dtypes and what avoids it.
+
+10. pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only. HF Trainer
+    gathers across ranks when it logs (the loss, the FLOs) and saves (the FLOs; pyreft's ``save_model`` then
+    agrees whether to save, as it may gather), so rank 0's collectives met other ones on rank 1: the run hung
+    at the first checkpoint, or went on with another collective's data (the issue saw ``RuntimeError:
+    Parent directory .../checkpoint-2 does not exist`` in 2 of 3 runs). pyreft's trainers compare the
+    arguments that schedule those collectives across ranks at ``train`` and raise on every rank, naming each
+    argument and each rank's value.
 
 pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
@@ -100,17 +124,54 @@ CHECKPOINTING_FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 
 
 def _wrap_compute_loss(wrapped, instance, args, kwargs):
-    function = getattr(wrapped, "__func__", None)  # a bound method, as a trainer calls it
-    signature = _bound_signature(function) if function is not None else inspect.signature(wrapped)
-    parameters = signature.parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        kwargs = {name: value for name, value in kwargs.items() if name in parameters}
-    bound = signature.bind(*args, **kwargs)
+    """pyreft's own ``compute_loss``: declared keywords only, locations as tensors, and the loss weighed by
+    the whole batch's count of label items when HF Trainer counted them (``_share_of_the_batch``), and
+    ``(loss, outputs)`` for ``return_outputs``, as HF Trainer reads it."""
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    bound = _declared(wrapped, args, kwargs)
     inputs = bound.arguments.get("inputs")
     locations = inputs.get("intervention_locations") if isinstance(inputs, dict) else None
     if isinstance(locations, torch.Tensor) and locations.dim() == 3:
         bound.arguments["inputs"] = {**inputs, "intervention_locations": DeviceLocations(locations)}
+    result = wrapped(*bound.args, **bound.kwargs)
+    return_outputs = bound.arguments.get("return_outputs", False)
+    loss, outputs = result if return_outputs else (result, None)
+    if not isinstance(loss, torch.Tensor):  # ReftTrainer's gives (outputs, outputs); HF reads (loss, outputs)
+        loss = loss.loss
+    if num_items_in_batch is not None and instance.model_accepts_loss_kwargs:
+        loss = loss * _share_of_the_batch(instance, inputs["labels"], num_items_in_batch)
+    return (loss, outputs) if return_outputs else loss
+
+
+def _wrap_subclass_compute_loss(wrapped, instance, args, kwargs):
+    """A user's ``compute_loss`` in a subclass of pyreft's trainers, written to pyreft's old signature."""
+    bound = _declared(wrapped, args, kwargs)
     return wrapped(*bound.args, **bound.kwargs)
+
+
+def _declared(wrapped, args, kwargs) -> inspect.BoundArguments:
+    """``args`` and ``kwargs`` bound to ``wrapped``, less the keywords it does not declare (all of them kept
+    where it takes ``**kwargs``)."""
+    function = getattr(wrapped, "__func__", None)  # a bound method, as a trainer calls it
+    signature = _bound_signature(function) if function is not None else inspect.signature(wrapped)
+    if not _takes_any_keyword(signature):
+        kwargs = {name: value for name, value in kwargs.items() if name in signature.parameters}
+    return signature.bind(*args, **kwargs)
+
+
+def _takes_any_keyword(signature: inspect.Signature) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def _share_of_the_batch(trainer, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """What turns this micro-batch's mean loss into its part of the whole batch's mean: its label items over
+    the batch's (all micro-batches of the step, on every rank where ``average_tokens_across_devices``),
+    times the ranks whose gradients DDP, FSDP and DeepSpeed average, as ``Trainer.compute_loss`` does."""
+    counted = labels[..., 1:] if trainer._loss_shifts_labels else labels
+    share = counted.ne(-100).sum() / num_items_in_batch
+    if trainer.args.average_tokens_across_devices:
+        share = share * (trainer.accelerator.num_processes // trainer.get_tp_size())
+    return share
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,14 +205,62 @@ class _Listed:
 
 
 def _reft_trainer_init(self, *args, **kwargs):
-    """``Trainer.__init__``, taking pyreft's ``tokenizer=`` as ``processing_class`` where Trainer has no ``tokenizer``."""
+    """``Trainer.__init__``, taking pyreft's ``tokenizer=`` as ``processing_class`` where Trainer has no
+    ``tokenizer``; then the loss normalised over the whole batch where the loss is pyreft's."""
     from pyreft.reft_trainer import ReftTrainer
 
     if "tokenizer" in kwargs and not _trainer_takes_tokenizer():
         if kwargs.get("processing_class") is not None:
             raise TypeError(f"{type(self).__name__}: pass tokenizer= or processing_class=, not both")
         kwargs["processing_class"] = kwargs.pop("tokenizer")
+    _adopt_old_signatures(type(self))
     super(ReftTrainer, self).__init__(*args, **kwargs)
+    if holds_intervenable_model(self.model) and _runs_pyrefts_loss(type(self)) and self.args.n_gpu <= 1:
+        # HF Trainer now counts the label items of each step (on every rank), passes the count to
+        # compute_loss, and no longer divides the loss by the accumulation steps: the loss is the whole
+        # batch's mean, as HF computes it for models that take loss keywords.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = _runs_causal_lm_loss(type(self), self.model)
+
+
+def _runs_pyrefts_loss(trainer_class) -> bool:
+    """Whether ``compute_loss`` is pyreft's own for this class (not a subclass's override)."""
+    from pyreft.reft_trainer import ReftTrainer, ReftTrainerForSequenceClassification
+
+    return _defining_class(trainer_class, "compute_loss") in (ReftTrainer, ReftTrainerForSequenceClassification)
+
+
+def _runs_causal_lm_loss(trainer_class, model) -> bool:
+    """Whether the loss is a causal LM's, whose labels are shifted: ``ReftTrainer.compute_loss`` returns the
+    base model's loss, and HF Trainer's rule (``Trainer.__init__``) says which, asked of that model."""
+    from pyreft.reft_trainer import ReftTrainer
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    base = unwrap_intervenable_model(model).model
+    return (_defining_class(trainer_class, "compute_loss") is ReftTrainer
+            and LOSS_MAPPING.get(getattr(base, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(base.config, "is_encoder_decoder", False))
+
+
+def _adopt_old_signatures(trainer_class) -> None:
+    """Wrap each ``compute_loss`` that a subclass of pyreft's trainers defines without a place for
+    ``num_items_in_batch`` (pyreft's own signature until 0.1.0, which its examples copy), so that HF
+    Trainer's keyword is dropped for it too; ``unpatch()`` puts them back."""
+    from pyreft.reft_trainer import ReftTrainer
+
+    from .._registry import REGISTRY
+
+    for owner in trainer_class.__mro__:
+        if owner.__module__ == ReftTrainer.__module__ or not issubclass(owner, ReftTrainer):
+            continue
+        function = vars(owner).get("compute_loss")
+        if inspect.isfunction(function) and not _takes_any_keyword(inspect.signature(function)) \
+                and "num_items_in_batch" not in inspect.signature(function).parameters:
+            REGISTRY.wrap(owner, "compute_loss", _wrap_subclass_compute_loss)
+
+
+def _defining_class(cls, attribute: str):
+    return next(owner for owner in cls.__mro__ if attribute in vars(owner))
 
 
 def _reft_trainer_train(self, *args, **kwargs):
@@ -161,6 +270,7 @@ def _reft_trainer_train(self, *args, **kwargs):
 
     train = super(ReftTrainer, self).train
     _refuse_a_partition_in_another_dtype(self)
+    _refuse_schedules_that_differ_between_ranks(self)
     flags = [name for name in CHECKPOINTING_FLAGS if getattr(self.args, name, None)]
     if not flags or any(hasattr(self.model, name) for name in CHECKPOINTING_ENABLERS) \
             or not holds_intervenable_model(self.model):
@@ -173,6 +283,43 @@ def _reft_trainer_train(self, *args, **kwargs):
     finally:
         for name in flags:
             setattr(self.args, name, True)
+
+
+#: The ``TrainingArguments`` that decide at which steps HF Trainer runs a collective: logging gathers the loss
+#: and the FLOs, saving the FLOs (and ``save_model`` may gather), evaluating gathers predictions, each step may
+#: gather the label count; the step count and accumulation decide how many of each there are.
+SCHEDULE_ARGUMENTS = (
+    "logging_strategy", "logging_steps", "logging_first_step", "save_strategy", "save_steps", "eval_strategy",
+    "eval_steps", "max_steps", "num_train_epochs", "gradient_accumulation_steps", "average_tokens_across_devices",
+)
+
+
+def _refuse_schedules_that_differ_between_ranks(trainer) -> None:
+    """Raise on every rank if the ranks' arguments schedule HF Trainer's collectives differently.
+
+    pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only: rank 0 then
+    gathers the loss and the FLOs at every step, rank 1 does not, and each collective meets another one on
+    the other rank. The run hung at the first checkpoint (rank 0 gathering FLOs for its log, rank 1
+    agreeing whether to save), or went on with another collective's data.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    schedule = {name: getattr(getattr(trainer.args, name, None), "value", getattr(trainer.args, name, None))
+                for name in SCHEDULE_ARGUMENTS}  # an enum's value: "steps", not IntervalStrategy.STEPS
+    schedules = [None] * dist.get_world_size()
+    dist.all_gather_object(schedules, schedule)
+    differing = [name for name in SCHEDULE_ARGUMENTS if any(other[name] != schedule[name] for other in schedules)]
+    if differing:
+        values = "; ".join(f"{name} is " + ", ".join(f"{other[name]!r} on rank {rank}"
+                                                     for rank, other in enumerate(schedules))
+                           for name in differing)
+        raise ValueError(
+            f"{type(trainer).__name__}.train: the ranks' TrainingArguments differ: {values}. HF Trainer gathers "
+            "across ranks when it logs, saves and evaluates, so ranks on different schedules wait on each other's "
+            "collectives (a hang, or another collective's data). Give every rank the same values (pyreft's "
+            "examples/alpaca/train_multigpu.py sets logging_steps=1 on rank 0 only: pass --logging_steps 1).")
 
 
 def _refuse_a_partition_in_another_dtype(trainer) -> None:

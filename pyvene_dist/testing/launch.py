@@ -107,14 +107,28 @@ def spawn(
     ]
     for process in processes:
         process.start()
+    outcomes: dict[int, RankOutcome] = {}
     try:
         outcomes = _collect(processes, results, workdir, timeout=timeout, grace=grace)
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+        _reap(processes, reported={rank for rank, o in outcomes.items() if o.status in (PASSED, SKIPPED, FAILED)})
     return WorldOutcome(world_size, backend, tuple(outcomes[rank] for rank in range(world_size)))
+
+
+def _reap(processes, reported: set[int], *, exit_seconds: float = 30.0) -> None:
+    """End every rank: those that reported get ``exit_seconds`` to exit by themselves, the rest are killed.
+
+    A rank reports before it leaves its process group and runs its exit handlers. Killed there, it never
+    releases the semaphores it made (DeepSpeed's and accelerate's among them), and the parent's
+    resource tracker warns at shutdown: "There appear to be 1 leaked semaphore objects to clean up".
+    """
+    deadline = time.monotonic() + exit_seconds
+    for rank, process in enumerate(processes):
+        if rank in reported:
+            process.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
 
 
 def _collect(processes, results, workdir: Path, *, timeout: float, grace: float) -> dict[int, RankOutcome]:

@@ -63,12 +63,13 @@ def check_restored():
         if site in captured:
             assert current is captured[site], f"{site} is not the object found before patching"
         else:
-            # Imported after patching: the plain function (or C builtin, as torch's), the same object
-            # its defining module holds.
-            assert isinstance(current, (types.FunctionType, types.BuiltinFunctionType)), f"{site} is {current!r}"
-            home = sys.modules[current.__module__]
-            defined = functools.reduce(getattr, current.__qualname__.split("."), home)
-            assert defined is current, f"{site} is not the function {current.__module__} defines"
+            # Imported after patching: the plain function (or C builtin, as torch's; a static method's
+            # function), the same object its defining module holds.
+            function = current.__func__ if isinstance(current, staticmethod) else current
+            assert isinstance(function, (types.FunctionType, types.BuiltinFunctionType)), f"{site} is {current!r}"
+            home = sys.modules[function.__module__]
+            defined = functools.reduce(getattr, function.__qualname__.split("."), home)
+            assert defined is function, f"{site} is not the function {function.__module__} defines"
     return seen
 
 

@@ -29,12 +29,17 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers, also in the spawn
 STRATEGIES = ("ddp", "fsdp2", "zero2", "zero3")
 CHECKPOINTING = (False, True)
 STEPS, GLOBAL_BATCH, SEED, LR = 3, 4, 0, 2e-2
-#: Sentences are words the tokenizer holds whole, so every example of a workload has the same length:
-#: no padding, the same number of label tokens on every rank, and the ranks' mean loss is the batch's.
+#: Sentences draw 1 to n of these words, and some words split into several tokens: the examples of a
+#: workload differ in length and in their number of label tokens, so batches are padded and the ranks
+#: hold different numbers of label tokens (as real data does; equal lengths hide loss-normalisation bugs).
 WORDS = ("red green blue cat dog bird runs jumps sits big small fast slow tree house river stone light "
          "dark warm cold").split()
-LABELS = 3  # classes of workload c
+RARE_WORDS = "riverbank stonewall greenhouse".split()  # not in the tokenizer's corpus whole: several tokens
+LABELS = 3  # classes of the classification workloads
 HIDDEN_SIZE = 32  # of the checkpoint's tiny Llama
+EVALUATED = 2  # examples of loreft's generation-based evaluation (greedy)
+#: A chat template for pyreft's ReftRewardDataset (``apply_chat_template``).
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} </s> {% endfor %}"
 
 #: Cases that need another branch's fix: ``(workload, strategy, checkpointing)``, ``None`` for any.
 #: The tests skip them with this reason and the worlds do not run them (some hang); remove an entry
@@ -68,14 +73,18 @@ def make_checkpoint(folder: Path) -> Path:
 
     from pyreft.dataset import prompt_no_input
 
+    from tokenizers import processors
+
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = [" ".join(WORDS), prompt_no_input, "say :"] * 20
+    corpus = [" ".join(WORDS), prompt_no_input, "say : user assistant the correct answer is 0 1 2 3 4 5 6 7 8 9"] * 20
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
+    # A BOS first, as Llama's tokenizers do: loreft's generation-based evaluation finds the left padding by it
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", bpe.token_to_id("<s>"))])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                         unk_token="<unk>", model_max_length=128, padding_side="right")
-    if len({len(tokenizer(word)["input_ids"]) for word in WORDS}) != 1:
-        raise AssertionError("the tokenizer splits some of WORDS: examples would differ in length")
+    tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN_SIZE, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
@@ -83,17 +92,40 @@ def make_checkpoint(folder: Path) -> Path:
     torch.manual_seed(SEED)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    write_data(folder / "data")
     return folder
 
 
-def load(folder: Path, kind: str = "causal"):
+def write_data(folder: Path) -> None:
+    """The scripts' data files, in the formats their readers take (``load_dataset("json", ...)``):
+    loreft's ``<task>/{train,test}.json`` and alpaca's ``alpaca_data.json``."""
+    import json
+
+    count = GLOBAL_BATCH * STEPS
+    answers = [str(n) for n in torch.randint(100, (count,), generator=torch.Generator().manual_seed(SEED)).tolist()]
+    files = {
+        "commonsense/train.json": [{"instruction": i, "answer": a} for i, a in
+                                   zip(sentences(count, 6, 20), sentences(count, 2, 21))],
+        "math/train.json": [{"instruction": i, "output": f"{o} so the answer is {a}", "answer": a} for i, o, a in
+                            zip(sentences(count, 4, 22), sentences(count, 5, 23), answers)],
+        "alpaca_data.json": [{"instruction": i, "input": x if n % 2 else "", "output": o} for n, (i, x, o) in
+                             enumerate(zip(sentences(count, 4, 24), sentences(count, 3, 25), sentences(count, 5, 26)))],
+    }
+    for task in ("commonsense", "math"):  # the generation-based evaluation's examples: their first EVALUATED
+        files[f"{task}/test.json"] = files[f"{task}/train.json"][:EVALUATED]
+    for name, rows in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(rows))
+
+
+def load(folder: Path, kind: str = "causal", num_labels: int = LABELS):
     """``AutoTokenizer`` and ``AutoModelFor*`` from ``folder``, as users load a checkpoint."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(SEED)  # the classifier's new head is drawn from it, the same on every rank
     if kind == "classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=LABELS,
+        model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=num_labels,
                                                                    attn_implementation="eager")
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
@@ -101,9 +133,12 @@ def load(folder: Path, kind: str = "causal"):
 
 
 def sentences(count: int, length: int, offset: int = 0) -> list[str]:
+    """``count`` sentences of 1 to ``length`` words (see WORDS), the same on every rank."""
     generator = torch.Generator().manual_seed(SEED + offset)
-    picks = torch.randint(len(WORDS), (count, length), generator=generator)
-    return [" ".join(WORDS[i] for i in row) for row in picks.tolist()]
+    vocabulary = WORDS + RARE_WORDS
+    picks = torch.randint(len(vocabulary), (count, length), generator=generator)
+    lengths = torch.randint(1, length + 1, (count,), generator=generator)
+    return [" ".join(vocabulary[i] for i in row[:n]) for row, n in zip(picks.tolist(), lengths.tolist())]
 
 
 def reft(model, layers, *, intervention="LoreftIntervention", rank=4, component="block_output", **representation):
@@ -145,17 +180,57 @@ def arguments(output_dir: str, strategy: str, checkpointing: bool, **overrides):
 
 
 def train(trainer, model, resume_from_checkpoint=None) -> object:
-    """``trainer.train()``, recorded as the parity harness records a run."""
+    """``trainer.train()``, recorded as the parity harness records a run. A base-model parameter the flow
+    trains beside the interventions (a classifier or score head) is recorded with them, as ``head.NAME``:
+    its gradient is what HF Trainer's ``model.zero_grad()`` must clear between steps."""
+    from transformers import TrainerCallback
+
     from pyvene_dist.testing import Record
     from pyvene_dist.testing.hf import InterventionGradients
     from pyvene_dist.testing.parity import intervention_weights
 
-    gradients = InterventionGradients(model)
+    class HeadGradients(TrainerCallback):
+        def __init__(self):
+            self.steps, self.left_over = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            # What the previous step left in the heads' gradients: nothing, if it was cleared. (Runs that
+            # keep summing do so alike in one process and under DDP, where parity alone cannot see it.)
+            if not args.deepspeed:
+                self.left_over.append(max((0.0 if p.grad is None else p.grad.abs().max().item()
+                                           for p in _heads(model).values()), default=0.0))
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if not args.deepspeed:  # as InterventionGradients: DeepSpeed has stepped inside backward
+                self.steps.append({name: parameter.grad.detach().float().cpu().clone()
+                                   for name, parameter in _heads(model).items()})
+
+    gradients, heads = InterventionGradients(model), HeadGradients()
     trainer.add_callback(gradients)
+    trainer.add_callback(heads)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    return Record(type(trainer).__name__, world_size, losses, gradients.steps, intervention_weights(model))
+    grads = [{**interventions, **head} for interventions, head in zip(gradients.steps, heads.steps)]
+    return Record(type(trainer).__name__, world_size, losses, grads,
+                  {**intervention_weights(model), **head_weights(model)},
+                  metrics={"head_gradient_left_over": max(heads.left_over, default=0.0)})
+
+
+def _heads(model) -> dict:
+    return {f"head.{name}": parameter for name, parameter in model.model.named_parameters() if parameter.requires_grad}
+
+
+def head_weights(model) -> dict:
+    """CPU copies of the base model's trainable parameters, whole also under ZeRO-3 (a collective)."""
+    weights = {}
+    for name, parameter in _heads(model).items():
+        if hasattr(parameter, "ds_id"):
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            parameter = safe_get_full_fp32_param(parameter)
+        weights[name] = parameter.detach().float().cpu().clone()
+    return weights
 
 
 def _rank() -> int:
@@ -230,16 +305,17 @@ def alpaca(folder, output_dir, strategy, checkpointing) -> Run:
     loaded = pyreft.ReftModel.load(str(saved), load(folder)[1])
     # What pyreft saves and loads is each intervention's state_dict: LoReFT's rotation as the orthogonal
     # matrix itself (loading sets it through the parametrization, so the raw ``original`` differs) and its
-    # learned source. pyreft 0.1.0's ReftModel.load builds them in bfloat16 (docs/limits.md): equal within
-    # bfloat16's rounding (2**-8 relative, twice: saved and loaded).
+    # learned source. Each comes back in the dtype it was saved in, bit for bit.
     trained, reloaded = (
-        {f"{key}.{name}": value.float().cpu() for key, module in model.interventions.items()
+        {f"{key}.{name}": value.cpu() for key, module in model.interventions.items()
          for name, value in module.state_dict().items()} for model in (reft_model, loaded))
+    reloaded_as = {name: (str(trained[name].dtype), str(reloaded[name].dtype) if name in reloaded else "missing")
+                   for name in trained}
     same = sorted(reloaded) == sorted(trained) and all(
-        torch.allclose(reloaded[name], trained[name], rtol=2 ** -7, atol=2 ** -7 * trained[name].abs().max().item())
-        for name in trained)
+        reloaded[name].dtype == trained[name].dtype and torch.equal(reloaded[name], trained[name]) for name in trained)
     checkpoints = sorted(p.name for p in Path(output_dir).glob("checkpoint-*"))
-    return Run(record, {"loaded_equal": same, "checkpoints": checkpoints})
+    return Run(record, {"loaded_equal": same, "checkpoints": checkpoints,
+                        "reloaded_as": {n: d for n, d in reloaded_as.items() if d[0] != d[1]}})
 
 
 def classification(folder, output_dir, strategy, checkpointing) -> Run:
@@ -247,6 +323,7 @@ def classification(folder, output_dir, strategy, checkpointing) -> Run:
     at ``f1+l1`` (pyreft.get_intervention_locations), evaluated during training."""
     import datasets
     import pyreft
+    from transformers import DataCollatorWithPadding
 
     args = arguments(output_dir, strategy, checkpointing, eval_strategy="steps", eval_steps=2,
                      per_device_eval_batch_size=GLOBAL_BATCH)
@@ -273,14 +350,10 @@ def classification(folder, output_dir, strategy, checkpointing) -> Run:
     trainer = pyreft.ReftTrainerForSequenceClassification(
         model=reft_model, args=args, train_dataset=examples(GLOBAL_BATCH * STEPS, 4),
         eval_dataset=examples(GLOBAL_BATCH, 5), compute_metrics=accuracy,
-        data_collator=pyreft.ReftDataCollator(data_collator=_stack))
+        data_collator=pyreft.ReftDataCollator(data_collator=DataCollatorWithPadding(tokenizer, padding="longest")))
     record = train(trainer, reft_model)
     evaluations = [entry["eval_accuracy"] for entry in trainer.state.log_history if "eval_accuracy" in entry]
     return Run(record, {"eval_accuracy": evaluations})
-
-
-def _stack(instances):
-    return {key: torch.stack([torch.as_tensor(instance[key]) for instance in instances]) for key in instances[0]}
 
 
 def dpo(folder, output_dir, strategy, checkpointing, *, concatenated: bool) -> Run:
@@ -313,7 +386,11 @@ def dpo(folder, output_dir, strategy, checkpointing, *, concatenated: bool) -> R
             loss = -torch.nn.functional.logsigmoid(0.1 * margin).mean()
             return (loss, None) if return_outputs else loss
 
-    args = arguments(output_dir, strategy, checkpointing)
+    # DPO's first step nearly cancels chosen against rejected: on this data an element of learned_source's
+    # gradient is 6e-9, below Adam's default eps (1e-8), where Adam's step lr*g/(|g|+eps) turns gradients
+    # equal to 3e-7 (relative to the largest) into weights 5e-5 apart. With eps 1e-6 the step is linear in
+    # such a gradient, and the weights are compared, not Adam's sensitivity to rounding.
+    args = arguments(output_dir, strategy, checkpointing, adam_epsilon=1e-6)
     tokenizer, model = load(folder)
     reft_model = reft(model, [0, 1], component="block_output")
     prompts = [f"say {s} :" for s in sentences(GLOBAL_BATCH * STEPS // 2, 3, 6)]
@@ -414,6 +491,258 @@ def trainer_options(folder, output_dir, strategy, checkpointing, *, dtype="float
                         "resumed_weights": intervention_weights(resumed_model)})
 
 
+# --- pyreft's example scripts (examples/loreft, examples/alpaca/train.py, examples/reward) -----------------
+
+def _script_arguments(output_dir, strategy, **overrides):
+    """The scripts' gradient accumulation (2 micro-batches per step) over the suite's global batch."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    return arguments(output_dir, strategy, False, per_device_train_batch_size=GLOBAL_BATCH // world_size // 2,
+                     gradient_accumulation_steps=2, **overrides)
+
+
+def _loreft_datasets():
+    """examples/loreft/dataset.py's readers for the tasks the suite runs (commonsense, math, GLUE), on
+    pyreft's ReftDataset, which adds the intervention positions, the sink padding token and the masks."""
+    import pyreft
+    from pyreft.dataset import prompt_no_input
+
+    class LoReftSupervisedDataset(pyreft.ReftDataset):
+        #: task_config.py: the prompt template and the trigger tokens the evaluation splits generations at
+        templates = {"commonsense": ("%s\n", "the correct answer is "), "math": (prompt_no_input, "### Response:")}
+
+        def preprocess(self, kwargs):
+            self.original_data_split = self.data_split
+            self.task_prompt_template, self.trigger_tokens = self.templates[self.task]
+            self.data_path = os.path.join(self.data_path, self.data_split + ".json")
+
+        def postprocess(self, kwargs):
+            self.raw_dataset = self.task_dataset
+
+        def tokenize(self, item):
+            prompt = self.task_prompt_template % item["instruction"]
+            answer = self.trigger_tokens + item["answer"] if self.task == "commonsense" else item["output"]
+            prompt_ids = self._ids(prompt)
+            if self.original_data_split != "train":
+                return {"input_ids": prompt_ids}, len(prompt_ids)
+            input_ids = self._ids(prompt + answer + self.tokenizer.eos_token)
+            labels = input_ids.clone()
+            labels[:len(prompt_ids)] = -100
+            return {"input_ids": input_ids, "labels": labels}, len(prompt_ids)
+
+        def _ids(self, text):
+            return self.tokenizer(text, max_length=self.tokenizer.model_max_length, truncation=True,
+                                  return_tensors="pt")["input_ids"][0]
+
+    class LoReftGLUEDataset(pyreft.ReftDataset):
+        def preprocess(self, kwargs):
+            self.pad_mode, self.fields_to_pad = "last", ["input_ids"]  # the sink token at the end; labels are classes
+
+        def tokenize(self, item):
+            input_ids = self.tokenizer(item["sentence"], max_length=self.tokenizer.model_max_length,
+                                       truncation=True, return_tensors="pt")["input_ids"][0]
+            return {"input_ids": input_ids, "labels": item["label"]}, len(input_ids)
+
+    return LoReftSupervisedDataset, LoReftGLUEDataset
+
+
+def _eval_mode(reft_model) -> str | None:
+    """The scripts' "ensure everything is in eval mode" after training, with their idiom ``v[0].eval()``;
+    returns what the idiom raised, if it did. The flow then goes on with pyvene 0.1.8's own way (its
+    interventions are no longer tuples), so that its evaluation is still compared."""
+    reft_model.model.eval()
+    try:
+        for _, value in reft_model.interventions.items():
+            _ = value[0].eval()
+    except TypeError as error:
+        for value in reft_model.interventions.values():
+            value.eval()
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def loreft(folder, output_dir, strategy, checkpointing, *, task) -> Run:
+    """examples/loreft/train.py on a causal LM task: its LoReftSupervisedDataset read from ``<task>/train.json``,
+    positions ``f2+l2`` with one intervention per position (commonsense) or ``f1+l1`` shared (math), every
+    layer, ReftTrainerForCausalLM with gradient accumulation; then compute_metrics' generation-based
+    evaluation: left padding, locations shifted by the BOS's position, greedy generation, exact match."""
+    import pyreft
+    import transformers
+
+    supervised, _ = _loreft_datasets()
+    args = _script_arguments(output_dir, strategy)
+    tokenizer, model = load(folder)
+    share_weights = task == "math"
+    position = "f1+l1" if share_weights else "f2+l2"
+    layers = [0, 1] if share_weights else [0, 1] * 2
+    reft_model = reft(model, layers)
+    data = {"num_interventions": len(layers), "position": position, "share_weights": share_weights}
+    train_dataset = supervised(task, str(folder / "data" / task), tokenizer, data_split="train", seed=SEED,
+                               test_split="test", **data)
+    collator = pyreft.ReftDataCollator(data_collator=transformers.DataCollatorForSeq2Seq(
+        tokenizer=tokenizer, model=model, label_pad_token_id=-100, padding="longest"))
+    reft_model.model.train()
+    trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, tokenizer=tokenizer, args=args,
+                                            train_dataset=train_dataset, data_collator=collator)
+    record = train(trainer, reft_model)
+    idiom = _eval_mode(reft_model)
+    evaluated = supervised(task, str(folder / "data" / task), tokenizer, data_split="test", seed=SEED, **data)
+    tokenizer.padding_side = "left"
+    inputs = collator([evaluated[i] for i in range(len(evaluated))])
+    locations = inputs["intervention_locations"].permute(1, 0, 2)  # [interventions, batch, positions]
+    bos = (inputs["input_ids"] == tokenizer.bos_token_id).nonzero(as_tuple=True)[1]
+    locations = (locations + bos.reshape(1, -1, 1) - 1).tolist()  # the left padding, less the sink token
+    device = reft_model.get_device()
+    with torch.no_grad():
+        _, generated = reft_model.generate(
+            {"input_ids": inputs["input_ids"].to(device), "attention_mask": inputs["attention_mask"].to(device)},
+            unit_locations={"sources->base": (None, locations)}, intervene_on_prompt=True,
+            eos_token_id=tokenizer.eos_token_id, max_new_tokens=4, do_sample=False)
+    texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    trigger = evaluated.trigger_tokens
+    outputs = [text[text.find(trigger) + len(trigger):].strip() if trigger in text else "" for text in texts]
+    answers = [item["answer"].strip() for item in evaluated.raw_dataset]
+    return Run(record, {"generated": generated.tolist(), "eval_idiom_error": idiom,
+                        "exact_match": sum(o == a for o, a in zip(outputs, answers)) / len(answers)})
+
+
+def loreft_glue(folder, output_dir, strategy, checkpointing) -> Run:
+    """examples/loreft/train.py on GLUE with ``-allow_cls_grad``: LoReftGLUEDataset, position ``f1`` at every
+    layer, the classifier head trained beside the interventions (Llama's ``score``; the script names
+    RoBERTa's ``classifier``), DataCollatorWithPadding, gradient accumulation, evaluation during training,
+    then the final evaluation's argmax predictions."""
+    import datasets
+    import pyreft
+    from transformers import DataCollatorWithPadding
+
+    _, glue = _loreft_datasets()
+    args = _script_arguments(output_dir, strategy, eval_strategy="steps", eval_steps=2,
+                             per_device_eval_batch_size=GLOBAL_BATCH)
+    tokenizer, model = load(folder, "classifier", num_labels=2)
+    layers = [0, 1]
+    reft_model = reft(model, layers)
+    for parameter in reft_model.model.score.parameters():
+        parameter.requires_grad = True
+
+    def split(count, offset):
+        labels = torch.randint(2, (count,), generator=torch.Generator().manual_seed(SEED + offset)).tolist()
+        raw = datasets.Dataset.from_dict({"sentence": sentences(count, 6, offset), "label": labels})
+        return glue("glue", "sst2", tokenizer, dataset=raw, seed=SEED, num_interventions=len(layers), position="f1")
+
+    def accuracy(prediction):
+        predicted = torch.as_tensor(prediction.predictions).argmax(-1)
+        return {"accuracy": (predicted == torch.as_tensor(prediction.label_ids)).float().mean().item()}
+
+    collator = pyreft.ReftDataCollator(data_collator=DataCollatorWithPadding(tokenizer, padding="longest"))
+    evaluated = split(GLOBAL_BATCH, 28)
+    reft_model.model.train()
+    trainer = pyreft.ReftTrainerForSequenceClassification(
+        model=reft_model, tokenizer=tokenizer, args=args, train_dataset=split(GLOBAL_BATCH * STEPS, 27),
+        eval_dataset=evaluated, data_collator=collator, compute_metrics=accuracy)
+    record = train(trainer, reft_model)
+    idiom = _eval_mode(reft_model)
+    inputs = collator([evaluated[i] for i in range(len(evaluated))])
+    device = reft_model.get_device()
+    with torch.no_grad():
+        _, outputs = reft_model({"input_ids": inputs["input_ids"].to(device),
+                                 "attention_mask": inputs["attention_mask"].to(device)},
+                                unit_locations={"sources->base": (None, inputs["intervention_locations"].permute(
+                                    1, 0, 2).tolist())})
+    history = [entry["eval_accuracy"] for entry in trainer.state.log_history if "eval_accuracy" in entry]
+    return Run(record, {"eval_accuracy": history, "predictions": outputs.logits.argmax(-1).tolist(),
+                        "eval_idiom_error": idiom})
+
+
+def alpaca_train(folder, output_dir, strategy, checkpointing) -> Run:
+    """examples/alpaca/train.py: ReftSupervisedDataset read from ``alpaca_data.json`` (with and without
+    inputs), ``f1+l1`` at every layer, the pad token set to ``unk``, pyreft's base ReftTrainer (HF Trainer's
+    own data loading) with gradient accumulation, then ``save_state`` and ``save_model``."""
+    import pyreft
+    import transformers
+
+    args = _script_arguments(output_dir, strategy)
+    tokenizer, model = load(folder)
+    tokenizer.pad_token = tokenizer.unk_token
+    layers = [0, 1] * 2
+    reft_model = reft(model, layers)
+    dataset = pyreft.ReftSupervisedDataset(
+        "alpaca", str(folder / "data" / "alpaca_data.json"), tokenizer, data_split="train", seed=SEED,
+        input_field="input", instruction_field="instruction", output_field="output",
+        num_interventions=len(layers), position="f1+l1", share_weights=False)
+    collator = pyreft.ReftDataCollator(data_collator=transformers.DataCollatorForSeq2Seq(
+        tokenizer=tokenizer, model=model, label_pad_token_id=-100, padding="longest"))
+    trainer = pyreft.ReftTrainer(model=reft_model, tokenizer=tokenizer, args=args, train_dataset=dataset,
+                                 data_collator=collator)
+    record = train(trainer, reft_model)
+    trainer.save_state()
+    trainer.save_model(output_dir=output_dir)
+    saved = sorted(p.name for p in (Path(output_dir) / "intervenable_model").glob("*"))
+    return Run(record, {"saved": saved})
+
+
+def reward(folder, output_dir, strategy, checkpointing) -> Run:
+    """examples/reward/train.py: ReftRewardDataset (chat-templated conversation pairs, swapped so the
+    better-rated is chosen) and ReftRewardCollator, a one-label classifier whose ``score`` head trains beside
+    LoReFT at ``f1+l1`` on every layer, and the script's trainer, which overrides ``compute_loss`` with
+    HF's old signature (no ``num_items_in_batch``) and ``prediction_step``; then its evaluation."""
+    import datasets
+    import pyreft
+
+    class ReftTrainerForRewardModelling(pyreft.ReftTrainer):
+        def compute_loss(self, intervenable, inputs, return_outputs=False):
+            rewards = intervenable({"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+                                   unit_locations={"sources->base": (
+                                       None, inputs["intervention_locations"].permute(1, 0, 2).tolist())},
+                                   subspaces=None)
+            chosen = torch.arange(inputs["input_ids"].shape[0]) % 2 == 0  # the collator interleaves the pairs
+            chosen_rewards, rejected_rewards = rewards[-1].logits[chosen], rewards[-1].logits[~chosen]
+            loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards).mean()
+            if return_outputs:
+                return loss, {"rewards_chosen": chosen_rewards, "rewards_rejected": rejected_rewards}
+            return loss
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, rewards = self.compute_loss(model, inputs, return_outputs=True)
+            margins = (rewards["rewards_chosen"] - rewards["rewards_rejected"]).detach().cpu()
+            return loss.detach().cpu(), margins, torch.ones_like(margins)
+
+    def accuracy(prediction):
+        return {"accuracy": float((prediction.predictions.reshape(-1) > 0).mean())}
+
+    args = arguments(output_dir, strategy, checkpointing, per_device_eval_batch_size=2)
+    tokenizer, model = load(folder, "classifier", num_labels=1)
+    tokenizer.pad_token = tokenizer.unk_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    layers = [0, 1] * 2
+    reft_model = reft(model, layers)
+    for parameter in reft_model.model.score.parameters():
+        parameter.requires_grad = True
+
+    def pairs(count, offset):
+        prompts, first, second = (sentences(count, 4, offset + n) for n in range(3))
+        ratings = torch.rand(2, count, generator=torch.Generator().manual_seed(SEED + offset)).tolist()
+        raw = datasets.Dataset.from_dict({
+            "conv_A": [[{"role": "user", "content": p}, {"role": "assistant", "content": a}]
+                       for p, a in zip(prompts, first)],
+            "conv_B": [[{"role": "user", "content": p}, {"role": "assistant", "content": b}]
+                       for p, b in zip(prompts, second)],
+            "conv_A_rating": ratings[0], "conv_B_rating": ratings[1]})
+        return pyreft.ReftRewardDataset(
+            "reward", "all", tokenizer, dataset=raw, data_split="train", seed=SEED, num_interventions=len(layers),
+            position="f1+l1", share_weights=False, conv_A_field="conv_A", conv_B_field="conv_B",
+            conv_A_reward_field="conv_A_rating", conv_B_reward_field="conv_B_rating")
+
+    trainer = ReftTrainerForRewardModelling(
+        model=reft_model, tokenizer=tokenizer, args=args, train_dataset=pairs(GLOBAL_BATCH * STEPS, 30),
+        eval_dataset=pairs(GLOBAL_BATCH, 33), compute_metrics=accuracy,
+        data_collator=pyreft.ReftRewardCollator(tokenizer=tokenizer, padding=True,
+                                                max_length=tokenizer.model_max_length))
+    record = train(trainer, reft_model)
+    idiom = _eval_mode(reft_model)
+    metrics = trainer.evaluate()
+    return Run(record, {"eval_accuracy": [metrics["eval_accuracy"]], "eval_loss": metrics["eval_loss"],
+                        "eval_idiom_error": idiom})
+
+
 def _partial(fn, **bound):
     def run(folder, output_dir, strategy, checkpointing):
         return fn(folder, output_dir, strategy, checkpointing, **bound)
@@ -434,7 +763,25 @@ WORKLOADS = {
     "e-subspaces": _partial(layouts, intervention="LoreftIntervention", subspaces=True),
     "f-trainer-options": trainer_options,
     "f-trainer-options-bf16": _partial(trainer_options, dtype="bfloat16"),
+    "g-loreft-commonsense": _partial(loreft, task="commonsense"),
+    "g-loreft-math": _partial(loreft, task="math"),
+    "g-loreft-glue": loreft_glue,
+    "h-alpaca-train": alpaca_train,
+    "i-reward": reward,
 }
+#: The example scripts' flows run as the scripts do: checkpointing off, and ZeRO-3 only where the script
+#: takes a DeepSpeed config (loreft's and alpaca's TrainingArguments). The others run under every strategy,
+#: checkpointing off and on.
+SCOPE: dict[str, tuple[tuple[str, ...], tuple[bool, ...]]] = {
+    **{name: (("ddp", "zero3"), (False,)) for name in ("g-loreft-commonsense", "g-loreft-math", "g-loreft-glue",
+                                                         "h-alpaca-train")},
+    "i-reward": (("ddp",), (False,)),
+}
+
+
+def in_scope(workload: str, strategy: str, checkpointing: bool) -> bool:
+    strategies, checkpointing_options = SCOPE.get(workload, (STRATEGIES, CHECKPOINTING))
+    return strategy in ("single", *strategies) and checkpointing in checkpointing_options
 #: The workloads a GPU run compares with checkpointing on and off (``--gpu``).
 GPU_WORKLOADS = ("a-quickstart", "b-alpaca", "c-classification", "d-dpo-concatenated", "d-dpo-two-forwards")
 
@@ -480,7 +827,8 @@ def world(folder: Path, strategy: str, cases, *, timeout: float = 900.0) -> dict
 
 
 def cases_for(strategy: str, workloads=WORKLOADS, checkpointing=CHECKPOINTING) -> list[tuple[str, bool]]:
-    return [(w, c) for w in workloads for c in checkpointing if needs_fix(w, strategy, c) is None]
+    return [(w, c) for w in workloads for c in checkpointing
+            if in_scope(w, strategy, c) and needs_fix(w, strategy, c) is None]
 
 
 def tolerance(workload: str, strategy: str):
@@ -494,20 +842,23 @@ def tolerance(workload: str, strategy: str):
 
 def table(reference: dict, worlds: dict[str, dict], workloads=tuple(WORKLOADS)) -> str:
     """Markdown: one row per workload x checkpointing, one column per strategy, each cell the largest
-    relative deviation from the reference without checkpointing (loss, gradients, weights), or why not."""
+    relative deviation from the reference without checkpointing (loss, gradients, weights), or why not
+    ("-": not run there, see SCOPE)."""
     from pyvene_dist.testing import differences
 
     strategies = list(worlds)
     lines = ["| workload | checkpointing | " + " | ".join(strategies) + " |",
              "|---|---|" + "---|" * len(strategies)]
     for workload in workloads:
-        for checkpointing in CHECKPOINTING:
+        for checkpointing in SCOPE.get(workload, (STRATEGIES, CHECKPOINTING))[1]:
             cells = []
             for strategy in strategies:
                 expected = reference.get((workload, False))
                 found = worlds[strategy].get((workload, checkpointing))
                 reason = needs_fix(workload, strategy, checkpointing)
-                if reason:
+                if not in_scope(workload, strategy, checkpointing):
+                    cells.append("-")
+                elif reason:
                     cells.append(f"skip: {reason.split('(')[0].split(':')[0].strip()}")
                 elif not isinstance(expected, Run):
                     cells.append("reference failed: " + (expected or "not run").strip().splitlines()[-1][:60])
