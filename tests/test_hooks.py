@@ -104,6 +104,22 @@ def test_a_copy_only_where_autograd_saved_the_tensor():
     assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
 
 
+@pytest.mark.world_size(1)
+def test_a_dtensor_is_checked_through_its_local_shard():
+    """Tensor parallel hands hooks DTensors, which have no storage of their own: the check read theirs and
+    tensor parallel at mlp_activation failed ('Attempted to access the data pointer on an invalid python
+    storage')."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pyvene_dist.fixes.hooks import aliases_saved
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = distribute_tensor(torch.randn(4, 4, requires_grad=True), mesh, [Shard(0)])
+    assert aliases_saved(torch.relu(weight * 2))  # relu saves its result
+    assert not aliases_saved(weight * 2)  # a product with a number saves neither side
+
+
 def test_attention_weight_is_refused_where_the_model_never_computes_it(patched):
     """GPT-2's attn.attn_dropout, which pyvene hooks for attention_weight, runs under eager attention with
     reorder_and_upcast_attn only (transformers 5): elsewhere stock pyvene applied no intervention, silently."""

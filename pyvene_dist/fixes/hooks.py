@@ -211,7 +211,7 @@ def aliases_saved(tensor: torch.Tensor) -> bool:
     root = tensor if tensor._base is None else tensor._base
     if root.grad_fn is None:  # nothing recorded a backward: nothing saved it
         return False
-    storage = root.untyped_storage().data_ptr()
+    storage = _data_pointer(root)
     pending, seen = [root.grad_fn], set()
     while pending and len(seen) < NODES_SEARCHED:
         node = pending.pop(0)
@@ -221,10 +221,21 @@ def aliases_saved(tensor: torch.Tensor) -> bool:
         for name in _saved_names(type(node)):
             saved = getattr(node, name)
             for item in saved if isinstance(saved, (tuple, list)) else (saved,):
-                if isinstance(item, torch.Tensor) and item.untyped_storage().data_ptr() == storage:
+                if isinstance(item, torch.Tensor) and _data_pointer(item) == storage:
                     return True
         pending.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def _data_pointer(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s elements live. A wrapper subclass (tensor parallel's DTensor) has no storage of its
+    own: its first inner tensor's (a DTensor's local shard), which an in-place write changes."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor.untyped_storage().data_ptr()
 
 
 @functools.cache
