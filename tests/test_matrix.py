@@ -11,7 +11,8 @@ finite losses and gradients.
 CI runs a derandomised sample (hypothesis' ``ci`` profile); ``PYVENE_DIST_MATRIX=long`` draws
 ``LONG_DRAWS`` per attention implementation (``PYVENE_DIST_MATRIX_DRAWS`` sets it). flash and flex
 attention run on a GPU only.
-A few pinned configurations also train under DDP, ZeRO-3 and gradient checkpointing for parity.
+Three pinned configurations also train with gradient checkpointing for parity, the first also under DDP
+and ZeRO-3.
 """
 
 import dataclasses
@@ -204,8 +205,8 @@ def test_matrix(attention):
     draws()
 
 
-#: Draws that also train under DDP, ZeRO-3 and gradient checkpointing, with the harness's real-data case
-#: (padding, labels on answers, two micro-batches per step, a trainable head).
+#: Draws that also train with gradient checkpointing, the first also under DDP and ZeRO-3, with the harness's
+#: real-data case (padding, labels on answers, two micro-batches per step, a trainable head).
 SAMPLE = [
     pytest.param(Configuration("llama", "sdpa", "attention_value_output", layers=(0, 1), share_weights=True),
                  id="llama-sdpa-attention_value_output"),
@@ -227,7 +228,7 @@ def _case(configuration: Configuration) -> ParityCase:
 
 
 @pytest.mark.world_size(2, timeout=600)
-@pytest.mark.parametrize("configuration", SAMPLE)
+@pytest.mark.parametrize("configuration", SAMPLE[:1])  # the issue's draw: each world of 2 costs CI about 2 minutes
 def test_sample_trains_under_ddp_and_zero3_as_in_one_process(configuration):
     helpers.patch()
     case = _case(configuration)
