@@ -74,7 +74,8 @@ def rank_main(run: Run, out: str, profile: str = "") -> None:
                       steps=run.warmup + 2 * run.steps + (PROFILED_STEPS if profile else 0),
                       dtype=run.dtype, component=run.component,
                       layers=(2, 8) if run.model == "llama-1b" else (0, 1),
-                      checkpointing=None if run.checkpointing == "none" else run.checkpointing)
+                      checkpointing=None if run.checkpointing == "none" else run.checkpointing,
+                      accumulation=1, trainable_head=False)  # one micro-batch per step, the interventions alone
     strategy = STRATEGIES["single" if independent else run.strategy]()
     if isinstance(strategy, DeepSpeed) and run.zero:
         strategy.zero.update(json.loads(run.zero))
@@ -91,9 +92,8 @@ def rank_main(run: Run, out: str, profile: str = "") -> None:
     drain = torch.cuda.synchronize if cuda else (lambda: None)
 
     def train_step(batch) -> None:
-        loss = strategy.reduce_loss(_loss(wrapped, strategy.shard(batch), strategy.device))
-        strategy.backward(loss)
-        strategy.step(optimizer)
+        strategy.backward(_loss(wrapped, strategy.shard(batch), strategy.device))
+        strategy.step(optimizer, wrapped)
 
     times, host = [], []
     batches = iter(case.batches())

@@ -1,9 +1,11 @@
 """pyvene removes its own hooks, and only those: user, profiler, ZeRO-3 and FSDP2 hooks survive."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from pyvene_dist.testing.models import reft_model, tiny_llama
+from pyvene_dist.testing.models import reft_model, tiny_gpt2, tiny_llama
 
 LOCATIONS = {"sources->base": (None, [[[3]] * 2] * 2)}
 
@@ -50,3 +52,91 @@ def test_intervention_still_applies(patched):
     model = reft_model(tiny_llama())
     base, counterfactual = model(_inputs(), unit_locations=LOCATIONS, output_original_output=True)
     assert not torch.allclose(base.logits, counterfactual.logits)
+
+
+# -- writing into a copy where the hooked tensor aliases one autograd saved ------------------------------
+
+
+@pytest.mark.parametrize("model, component", [
+    ("llama", "attention_value_output"),
+    ("llama", "head_attention_value_output"),
+    ("gpt2", "attention_value_output"),
+])
+def test_attention_value_output_trains_under_sdpa_as_under_eager(patched, model, component):
+    """sdpa's output, saved for its backward, is what o_proj receives: stock pyvene's in-place write at the
+    second layer failed backward with ``modified by an inplace operation``. Eager attention (whose output is
+    copied before o_proj) is the reference."""
+    from pyvene_dist.testing import ParityCase, assert_parity, train
+
+    eager = ParityCase(model=model, component=component, steps=1, batch_size=4)
+    sdpa = dataclasses.replace(eager, attention="sdpa")
+    assert_parity(train(eager), train(sdpa), eager.tolerance)
+
+
+def test_sdpa_forward_is_stock_pyvene_bit_for_bit():
+    """The copy changes no value: stock pyvene's forward (which runs; only its backward fails) is matched
+    bit for bit."""
+    import pyvene_dist
+    from helpers import patch
+
+    def logits():
+        model = reft_model(tiny_llama(attention="sdpa"), component="attention_value_output")
+        return model(_inputs(), unit_locations=LOCATIONS)[1].logits
+
+    stock = logits()
+    patch()
+    try:
+        assert torch.equal(logits(), stock)
+    finally:
+        pyvene_dist.unpatch()
+
+
+def test_a_copy_only_where_autograd_saved_the_tensor():
+    from pyvene_dist.fixes.hooks import aliases_saved
+
+    query = torch.randn(2, 8, 4, 8, requires_grad=True).transpose(1, 2)  # [batch, heads, positions, size]
+    attended = torch.nn.functional.scaled_dot_product_attention(query, query, query)
+    value_output = attended.transpose(1, 2).contiguous().reshape(2, 8, 32)  # what o_proj receives
+    assert value_output._base is not None and aliases_saved(value_output)
+    assert aliases_saved(torch.softmax(query, -1))  # softmax saves its result
+    assert not aliases_saved(torch.matmul(query, query).transpose(1, 2).contiguous())  # eager: a copy
+    assert not aliases_saved(torch.nn.functional.linear(query, torch.randn(8, 8)))  # saves input, weight
+    assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
+
+
+@pytest.mark.world_size(1)
+def test_a_dtensor_is_checked_through_its_local_shard():
+    """Tensor parallel hands hooks DTensors, which have no storage of their own: the check read theirs and
+    tensor parallel at mlp_activation failed ('Attempted to access the data pointer on an invalid python
+    storage')."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pyvene_dist.fixes.hooks import aliases_saved
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = distribute_tensor(torch.randn(4, 4, requires_grad=True), mesh, [Shard(0)])
+    assert aliases_saved(torch.relu(weight * 2))  # relu saves its result
+    assert not aliases_saved(weight * 2)  # a product with a number saves neither side
+
+
+def test_attention_weight_is_refused_where_the_model_never_computes_it(patched):
+    """GPT-2's attn.attn_dropout, which pyvene hooks for attention_weight, runs under eager attention with
+    reorder_and_upcast_attn only (transformers 5): elsewhere stock pyvene applied no intervention, silently."""
+    inputs, locations = _inputs(), {"sources->base": (None, [[[3]] * 2])}
+    for attention, reorder, why in [("sdpa", True, "attn_implementation is 'sdpa', expected 'eager'"),
+                                    ("eager", False, "reorder_and_upcast_attn=True, found False")]:
+        base = tiny_gpt2(attention=attention)
+        base.config.reorder_and_upcast_attn = reorder
+        model = reft_model(base, layers=(0,), component="attention_weight")
+        with pytest.raises(ValueError, match=f"'attention_weight', which this model never computes.*{why}"):
+            model(inputs, unit_locations=locations)
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_gpt2().config
+    config.reorder_and_upcast_attn = True  # read as the layers are built
+    model = reft_model(GPT2LMHeadModel(config), layers=(0,), component="attention_weight")
+    # pyvene sizes the intervention to max_position_embeddings: the probabilities' last axis at full length
+    full = {"input_ids": torch.randint(97, (2, config.n_positions), generator=torch.Generator().manual_seed(0))}
+    original, intervened = model(full, unit_locations=locations, output_original_output=True)
+    assert not torch.equal(original.logits, intervened.logits)  # computed there, and the intervention acts

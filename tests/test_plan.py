@@ -108,14 +108,16 @@ def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
     from pyvene_dist.testing import ParityCase
     from pyvene_dist.testing.parity import _loss
 
+    # The interventions alone train, as in pyreft's default and the benchmark plan models (no trainable head),
+    # and no attention mask: with one, sdpa on a CPU runs unfused and keeps its attention weights.
     case = ParityCase(model="llama", hidden_size=64, num_layers=6, batch_size=2, seq_len=128, dtype=dtype,
-                      layers=(1, 3), checkpointing=checkpointing, steps=2)
+                      layers=(1, 3), checkpointing=checkpointing, steps=2, trainable_head=False)
     with pyvene_dist.patched():
         model = case.build()
         model.model.config._attn_implementation = attention
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        batches = case.batches()
+        batches = [{key: value for key, value in batch.items() if key != "attention_mask"} for batch in case.batches()]
 
         def step(batch):
             _loss(model, batch, torch.device("cpu")).backward()
@@ -136,7 +138,7 @@ def test_only_the_interventions_have_gradients_and_optimizer_state():
     pyreft actually makes trainable; the base model's weights are counted once, with nothing else."""
     from pyvene_dist.testing import ParityCase
 
-    case = ParityCase(model="llama", hidden_size=64, num_layers=3, layers=(0, 2), rank=4)
+    case = ParityCase(model="llama", hidden_size=64, num_layers=3, layers=(0, 2), rank=4, trainable_head=False)
     model = case.build()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base = sum(p.numel() for p in model.model.parameters())

@@ -189,24 +189,11 @@ def on_a_copy_of_the_input(callback):
     operation``), or a detached leaf (reentrant: ``a leaf Variable that requires grad is being used in
     an in-place operation``). A copy changes neither outputs nor gradients; the tensor the caller passed
     in is left as it was. Forward hooks (output components) are called unchanged."""
-
-    @functools.wraps(callback)
-    def hook(module, args, kwargs, *output):
-        if output:
-            return callback(module, args, kwargs, *output)
-        if args:  # pyvene intervenes on the first positional input, else on the first keyword one
-            args = (_copy(args[0]), *args[1:])
-        elif kwargs:
-            first = next(iter(kwargs))
-            kwargs = {**kwargs, first: _copy(kwargs[first])}
-        callback(module, args, kwargs)
-        return args, kwargs
-
-    return hook
+    return hooks.writing_to_copies(callback, inputs=_always)
 
 
-def _copy(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
+def _always(tensor: torch.Tensor) -> bool:
+    return True
 
 
 def checkpoint_functions(model) -> list[tuple[object, str]]:

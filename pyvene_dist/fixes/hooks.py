@@ -15,14 +15,40 @@ The fix records the handles pyvene's hook factories (``_intervention_getter``,
 forward returns, before backward recomputes checkpointed layers; the caller may also replace the hooks
 themselves as they are registered (``wrap_hook``).
 
+The hooks that apply interventions also write into a copy where pyvene's in-place write would change a
+tensor autograd saved. pyvene's scatter writes into the hooked tensor itself. Under ``sdpa`` attention
+the input of ``o_proj`` (``attention_value_output``, ``head_attention_value_output``) is a view of
+the attention's output: ``transpose(1, 2).contiguous()`` copies nothing, as the CPU and CUDA kernels
+lay the output out as ``[batch, positions, heads, head size]``, and the attention saved that output
+for its backward. With an intervention at an earlier layer (so that the attention records its
+backward) training fails in backward with ``one of the variables needed for gradient computation has
+been modified by an inplace operation: [torch.FloatTensor [4, 4, 16, 16]], which is output 0 of
+ScaledDotProductFlashAttentionForCpu``. The hook then hands pyvene a copy to write into and the module
+that copy (``writing_to_copies``), which changes neither outputs nor gradients. Whether the tensor aliases
+a saved one is read from the few autograd nodes that made it (``aliases_saved``: the sdpa node behind the
+views, also behind the autograd Function DeepSpeed ZeRO-3 puts around a module's inputs). A tensor that
+aliases nothing saved (eager attention's copy, a linear layer's output) is written in place as before:
+no copy; the check costs some 15-25 us per intervention and forward on a CPU.
+
+An intervention at ``attention_weight`` (GPT-2's attention probabilities, the input of the module
+``attn.attn_dropout``) is refused where the model never calls that module, which stock pyvene silently
+left without an intervention (the matrix found it: training then failed with ``element 0 of tensors
+does not require grad``, inference was silently the base model's). ``sdpa``, flash and flex attention
+never compute the probabilities, and transformers 5's eager attention drops them out with
+``nn.functional.dropout``: the module runs only in ``reorder_and_upcast_attn=True``'s path.
+
 Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-from typing import Callable, Iterator
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
 
 from .._registry import REGISTRY, Fix, Site
 
@@ -81,18 +107,158 @@ def _wrap_hook_factory(wrapped, instance, args, kwargs):
     return handler_list
 
 
+#: GPT-2's attention probabilities: computed by its module under eager attention only (see the docstring).
+ATTENTION_PROBABILITIES = "attention_weight"
+
+
 def _wrap_setter_factory(wrapped, instance, args, kwargs):
-    kept = keeping(instance)
-    if kept is None:
-        return _wrap_hook_factory(wrapped, instance, args, kwargs)
+    _refuse_components_never_computed(instance, args[0] if args else kwargs["keys"])
     handler_list = wrapped(*args, **kwargs)
-    if kept.wrap_hook is not None:
-        for handle in handler_list.handlers:
-            hooks = handle.hooks_dict_ref()
-            if hooks is not None and handle.id in hooks:
-                hooks[handle.id] = kept.wrap_hook(hooks[handle.id])
+    kept = keeping(instance)
+    for handle in handler_list.handlers:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            hook = writing_to_copies(hooks[handle.id], inputs=aliases_saved, outputs=aliases_saved)
+            hooks[handle.id] = kept.wrap_hook(hook) if kept is not None and kept.wrap_hook is not None else hook
+    if kept is None:
+        REGISTRY.models.of(instance).handles.extend(handler_list.handlers)
+        return handler_list
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
+
+
+def _refuse_components_never_computed(model, keys) -> None:
+    for key in keys:
+        if model.representations[key].component == ATTENTION_PROBABILITIES:
+            why = _why_attention_probabilities_are_not_computed(getattr(model.model, "config", None))
+            if why:
+                raise ValueError(f"intervention {key!r} is at component {ATTENTION_PROBABILITIES!r}, which this "
+                                 f"model never computes, so it would never apply: {why}")
+
+
+def _why_attention_probabilities_are_not_computed(config) -> str | None:
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention != "eager":
+        return (f"the model's attn_implementation is {attention!r}, expected 'eager' (load the model with "
+                "attn_implementation='eager')")
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5 and not getattr(config, "reorder_and_upcast_attn", False):
+        return (f"transformers {transformers.__version__}'s eager attention applies dropout as a function and "
+                "calls attn.attn_dropout only with config.reorder_and_upcast_attn=True, found False")
+    return None
+
+
+Predicate = Callable[[torch.Tensor], bool]
+
+
+def _never(tensor: torch.Tensor) -> bool:
+    return False
+
+
+def writing_to_copies(callback, *, inputs: Predicate = _never, outputs: Predicate = _never):
+    """pyvene's intervening hook ``callback``, its in-place write going to a copy of the tensor it
+    intervenes on where ``inputs`` (a pre-hook's) or ``outputs`` (a forward hook's) says so; the module
+    then receives, or returns, the copy. pyvene writes into the first positional input, else the first
+    keyword one; into the output, the first item of an output tuple, or the first value of a dict."""
+
+    @functools.wraps(callback)
+    def hook(module, args, kwargs, *output):
+        if output:
+            (value,) = output
+            copied = _copy_first(value, outputs)
+            if copied is value:
+                return callback(module, args, kwargs, value)
+            callback(module, args, kwargs, copied)
+            return copied
+        if args:
+            copied_args, copied_kwargs = _copy_first(args, inputs), kwargs
+        else:
+            copied_args, copied_kwargs = args, _copy_first(kwargs, inputs)
+        if copied_args is args and copied_kwargs is kwargs:
+            return callback(module, args, kwargs)
+        callback(module, copied_args, copied_kwargs)
+        return copied_args, copied_kwargs
+
+    return hook
+
+
+def _copy_first(value: Any, needs_copy: Predicate) -> Any:
+    """``value`` itself, or a copy with its first tensor (see ``writing_to_copies``) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if needs_copy(value) else value
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor) and needs_copy(value[0]):
+        return (value[0].clone(), *value[1:])
+    if isinstance(value, dict) and value:
+        first = next(iter(value))
+        if isinstance(value[first], torch.Tensor) and needs_copy(value[first]):
+            copied = copy.copy(value)
+            copied[first] = value[first].clone()
+            return copied
+    return value
+
+
+#: How many autograd nodes ``aliases_saved`` reads, nearest first: the producing operation and what sits between
+#: it and the hook (views; DeepSpeed ZeRO-3 passes a module's inputs through an autograd Function of its own).
+NODES_SEARCHED = 8
+
+
+def aliases_saved(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` shares its storage with a tensor that an operation among the last ``NODES_SEARCHED``
+    that made it saved for its backward, so that writing into it in place makes backward fail. Operations
+    that ran on it since are not seen: pyvene's hooks run as the tensor is made (a forward hook) or as it
+    enters the module (a pre-hook)."""
+    root = tensor if tensor._base is None else tensor._base
+    if root.grad_fn is None:  # nothing recorded a backward: nothing saved it
+        return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Saved tensors are packed by someone else's hooks (non-reentrant checkpointing, offloading):
+        # reading one unpacks it, which holds a second copy of the layer's activations (test_plan measured
+        # the checkpointed peak at 2.1 x its plan). Presume it aliases: the copy is one hooked tensor, freed
+        # with the module's forward.
+        return True
+    storage = _data_pointer(root)
+    pending, seen = [root.grad_fn], set()
+    while pending and len(seen) < NODES_SEARCHED:
+        node = pending.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in _saved_names(type(node)):
+            if _packed_by_hooks(node, name):
+                # Saved under someone's saved-tensor hooks (checkpointing, offloading): reading it would
+                # unpack it, recomputing the checkpointed layer in the forward (test_plan measured the
+                # checkpointed peak at 2.2 x). Such a region recomputes what it saved: a write outside it
+                # changes nothing it uses; a hook inside it copies (above).
+                continue
+            saved = getattr(node, name)
+            for item in saved if isinstance(saved, (tuple, list)) else (saved,):
+                if isinstance(item, torch.Tensor) and _data_pointer(item) == storage:
+                    return True
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def _data_pointer(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s elements live. A wrapper subclass (tensor parallel's DTensor) has no storage of its
+    own: its first inner tensor's (a DTensor's local shard), which an in-place write changes."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor.untyped_storage().data_ptr()
+
+
+def _packed_by_hooks(node, name: str) -> bool:
+    raw = getattr(node, "_raw" + name, None)  # the SavedTensor objects, read without unpacking
+    return any(getattr(item, "unpack_hook", None) is not None
+               for item in (raw if isinstance(raw, (tuple, list)) else (raw,)))
+
+
+@functools.cache
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    return tuple(name for name in dir(node_type) if name.startswith("_saved_"))
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):

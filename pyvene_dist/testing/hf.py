@@ -20,13 +20,13 @@ from .parity import ParityCase, Record, intervention_grads, intervention_weights
 
 
 def examples(case: ParityCase, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """``case.batches()`` as a flat list of pyreft examples, in order: batch ``k`` is ``[k*B, (k+1)*B)``."""
+    """``case.batches()`` as a flat list of pyreft examples, in order: micro-batch ``k`` is ``[k*B, (k+1)*B)``."""
     rows = []
     for batch in case.batches(steps):
         for i, input_ids in enumerate(batch["input_ids"]):
             rows.append({
                 "input_ids": input_ids,
-                "attention_mask": torch.ones_like(input_ids),
+                "attention_mask": batch["attention_mask"][i],
                 "labels": batch["labels"][i],
                 "intervention_locations": batch["locations"][:, i],
             })
@@ -66,6 +66,7 @@ def training_arguments(case: ParityCase, output_dir: str, world_size: int, **ove
         output_dir=output_dir,
         per_device_train_batch_size=case.batch_size // devices,
         max_steps=case.steps,
+        gradient_accumulation_steps=case.accumulation,
         learning_rate=case.lr,
         weight_decay=case.weight_decay,
         lr_scheduler_type="constant",

@@ -11,17 +11,40 @@ VOCAB_SIZE = 97
 TINY_KV_HEADS = 2
 
 
-def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+#: What ``attention`` may name: transformers' implementations that need no kernel package. flash and flex
+#: run on a CUDA device only.
+ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+               attention: str = "eager"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _build(LlamaForCausalLM, LlamaConfig(**_tiny_decoder(layers, hidden)), seed, dtype)
+    return _build(LlamaForCausalLM, LlamaConfig(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
 
 
-def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+               attention: str = "eager"):
     """A Qwen2-class model (biases on q, k, v) of the tiny Llama's shape."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return _build(Qwen2ForCausalLM, Qwen2Config(**_tiny_decoder(layers, hidden)), seed, dtype)
+    return _build(Qwen2ForCausalLM, Qwen2Config(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
+
+
+def tiny_mistral(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+                 attention: str = "eager"):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _build(MistralForCausalLM, MistralConfig(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
+
+
+def tiny_gemma2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+                attention: str = "eager"):
+    """A Gemma2 (sliding-window and global layers alternating, logits soft-capped) of the tiny Llama's shape."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**_tiny_decoder(layers, hidden), head_dim=hidden // 4, sliding_window=8)
+    return _build(Gemma2ForCausalLM, config, seed, dtype, attention)
 
 
 def _tiny_decoder(layers: int, hidden: int) -> dict:
@@ -37,7 +60,8 @@ def _tiny_decoder(layers: int, hidden: int) -> dict:
     )
 
 
-def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+              attention: str = "eager"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -50,20 +74,43 @@ def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int 
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    return _build(GPT2LMHeadModel, config, seed, dtype)
+    return _build(GPT2LMHeadModel, config, seed, dtype, attention)
 
 
-def tiny_llama_classifier(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32):
+def tiny_gpt_neox(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+                  attention: str = "eager"):
+    """A GPT-NeoX (Pythia's architecture: parallel attention and MLP, fused query/key/value)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=1,  # GPT-NeoX's own 0 and 50256 lie outside the tiny vocabulary
+        eos_token_id=2,
+    )
+    return _build(GPTNeoXForCausalLM, config, seed, dtype, attention)
+
+
+def tiny_llama_classifier(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+                          attention: str = "eager"):
     """A tiny Llama with a 3-way classification head; token 0 is padding (the head pools the last other)."""
     from transformers import LlamaForSequenceClassification
 
     config = tiny_llama(seed=seed, layers=layers, hidden=hidden).config
     config.num_labels = NUM_LABELS
     config.pad_token_id = 0
-    return _build(LlamaForSequenceClassification, config, seed, dtype)
+    return _build(LlamaForSequenceClassification, config, seed, dtype, attention)
 
 
-def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 22, hidden: int = 2048):
+def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 22, hidden: int = 2048,
+             attention: str = "eager"):
     """TinyLlama-1.1B's shape (1.1B parameters, vocabulary 32000), built from a config with random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,16 +124,21 @@ def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int =
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    return _build(LlamaForCausalLM, config, seed, dtype)
+    return _build(LlamaForCausalLM, config, seed, dtype, attention)
 
 
 NUM_LABELS = 3
-BASE_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
+BASE_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gemma2": tiny_gemma2,
+               "gpt2": tiny_gpt2, "gpt-neox": tiny_gpt_neox, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
 CLASSIFIERS = frozenset({"llama-cls"})
 
 
-def _build(model_class, config, seed: int, dtype: torch.dtype):
-    config._attn_implementation = "eager"  # identical arithmetic on every backend and device
+def _build(model_class, config, seed: int, dtype: torch.dtype, attention: str = "eager"):
+    """``model_class(config)`` with weights drawn from ``seed``. Eager attention by default: identical
+    arithmetic on every backend and device."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
+    config._attn_implementation = attention
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
@@ -112,7 +164,8 @@ def reload_pretrained(model, **from_pretrained_kwargs):
     model.save_pretrained(directory[0])
     if grouped:
         dist.barrier()
-    reloaded = type(model).from_pretrained(directory[0], attn_implementation="eager", **from_pretrained_kwargs)
+    reloaded = type(model).from_pretrained(directory[0], attn_implementation=model.config._attn_implementation,
+                                           **from_pretrained_kwargs)
     if grouped:
         dist.barrier()
     if not grouped or dist.get_rank() == 0:

@@ -6,8 +6,18 @@ under a parallel strategy, then compare per-step losses, intervention gradients 
     reference = train(case, "single")                     # one device, the whole batch
     assert_parity(reference, candidate, case.tolerance)   # says which tensor differs, where, by how much
 
-Every rank gets an equal, contiguous share of each global batch and every token is a label, so the
-mean of the ranks' losses is the loss of the whole batch: the comparison is exact up to float rounding.
+The default case trains on data like users': examples of different lengths padded on one side, labels
+on each example's answer only (so examples, and ranks, hold different numbers of labels), ``accumulation``
+micro-batches per optimizer step, and a trainable head beside the interventions (``lm_head``, or a
+classifier's ``score``), cleared with ``model.zero_grad()`` after each step as HF Trainer clears it.
+
+The comparison stays exact up to float rounding because the loop normalises as HF Trainer does with
+``num_items_in_batch``: every micro-batch's loss is the *sum* of its tokens' cross-entropies divided by
+the number of labels of the whole optimizer step (every rank's, every micro-batch's; each rank knows it,
+as it holds the global batch), times the data-parallel world size that DDP, FSDP and ZeRO divide the
+summed gradients by. The gradients summed over micro-batches and ranks are then those of the step's
+token mean, on one device as on many; the recorded loss is that mean (summed over ranks).
+Every rank gets an equal, contiguous share of each global micro-batch.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ class ParityCase:
     """What to train. Every field takes part in the result; the defaults run in seconds on a CPU."""
 
     model: str = "llama"
+    attention: str = "eager"  # transformers' attn_implementation (models.ATTENTIONS)
     hidden_size: int | None = None  # None: the model builder's own (32 and 2 for the tiny models)
     num_layers: int | None = None
     intervention: str = "LoreftIntervention"
@@ -85,7 +96,10 @@ class ParityCase:
     positions: int = 2
     steps: int = 3
     batch_size: int = 8
-    seq_len: int = 16
+    seq_len: int = 16  # the padded length; each example has between half of it and all of it
+    padding: str = "right"  # the side examples are padded on
+    accumulation: int = 2  # micro-batches per optimizer step (of batch_size examples each)
+    trainable_head: bool = True  # lm_head (a classifier's score) trains beside the interventions, unless tied
     dtype: str = "float32"
     lr: float = 1e-2
     weight_decay: float = 0.01
@@ -101,7 +115,14 @@ class ParityCase:
         return TOLERANCES[self.torch_dtype]
 
     def build(self):
-        return self.reft_model(self.base_model())
+        model = self.reft_model(self.base_model())
+        if self.trainable_head:
+            head = getattr(model.model, "score", None) if self.model in models.CLASSIFIERS \
+                else model.model.get_output_embeddings()
+            # GPT-2's lm_head is its input embedding: training it is training the embedding, not a head
+            if head.weight is not model.model.get_input_embeddings().weight:
+                head.requires_grad_(True)
+        return model
 
     def base_model(self) -> nn.Module:
         """The base model alone, its weights drawn from ``seed``."""
@@ -109,7 +130,8 @@ class ParityCase:
             raise ValueError(f"model {self.model!r} is not one of {sorted(models.BASE_MODELS)}")
         shape = {"layers": self.num_layers, "hidden": self.hidden_size}
         return models.BASE_MODELS[self.model](
-            seed=self.seed, dtype=self.torch_dtype, **{k: v for k, v in shape.items() if v is not None}
+            seed=self.seed, dtype=self.torch_dtype, attention=self.attention,
+            **{k: v for k, v in shape.items() if v is not None}
         )
 
     def reft_model(self, base: nn.Module) -> nn.Module:
@@ -132,36 +154,66 @@ class ParityCase:
         return model
 
     def batches(self, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """Global batches: token ids, labels, and pyreft-layout locations ``[interventions, batch, positions]``.
+        """Global micro-batches, ``accumulation`` per step: token ids, attention mask, labels, and
+        pyreft-layout locations ``[interventions, batch, positions]`` within each example's tokens.
 
-        A language model's labels are its tokens (every token counts); a classifier's are class ids.
+        Example lengths are drawn between ``seq_len // 2`` and ``seq_len``, padded with token 0 on ``padding``'s
+        side. A language model's labels are the tokens of each example's second half (-100 elsewhere: the
+        prompt and the padding); a classifier's are class ids.
         """
         steps = self.steps if steps is None else steps
+        if self.padding not in ("left", "right"):
+            raise ValueError(f"padding must be 'left' or 'right', got {self.padding!r}")
+        if self.accumulation < 1:
+            raise ValueError(f"accumulation must be 1 or more, got {self.accumulation}")
         generator = torch.Generator().manual_seed(self.seed + 2)
-        shape = (steps, self.batch_size, self.seq_len)
-        input_ids = torch.randint(models.VOCAB_SIZE, shape, generator=generator)
-        locations = torch.randint(
-            self.seq_len, (steps, len(self.layers), self.batch_size, self.positions), generator=generator
-        )
-        if self.model in models.CLASSIFIERS:
-            labels = torch.randint(models.NUM_LABELS, (steps, self.batch_size), generator=generator)
+        count = steps * self.accumulation
+        shape = (count, self.batch_size, self.seq_len)
+        input_ids = torch.randint(1, models.VOCAB_SIZE, shape, generator=generator)
+        lengths = torch.randint(max(1, self.seq_len // 2), self.seq_len + 1, shape[:2], generator=generator)
+        locations = (torch.rand((count, len(self.layers), self.batch_size, self.positions), generator=generator)
+                     * lengths[:, None, :, None]).long()  # a position within each example's own tokens
+        column = torch.arange(self.seq_len)
+        if self.padding == "left":
+            offset = self.seq_len - lengths
+            attention_mask = (column >= offset[..., None]).long()
+            locations = locations + offset[:, None, :, None]
         else:
-            labels = input_ids
+            offset = torch.zeros_like(lengths)
+            attention_mask = (column < lengths[..., None]).long()
+        input_ids = input_ids * attention_mask  # padding is token 0
+        if self.model in models.CLASSIFIERS:
+            labels = torch.randint(models.NUM_LABELS, (count, self.batch_size), generator=generator)
+        else:
+            answer = column >= (offset + lengths - lengths // 2)[..., None]
+            labels = torch.where(answer & attention_mask.bool(), input_ids, -100)
         batches = [
-            {"input_ids": input_ids[step], "labels": labels[step], "locations": locations[step]}
-            for step in range(steps)
+            {"input_ids": input_ids[i], "attention_mask": attention_mask[i], "labels": labels[i],
+             "locations": locations[i]}
+            for i in range(count)
         ]
         if self.component.startswith("head_"):  # unit "h.pos": which head, then which positions
-            heads = torch.randint(models.TINY_KV_HEADS, (steps, len(self.layers), self.batch_size, 1),
+            heads = torch.randint(models.TINY_KV_HEADS, (count, len(self.layers), self.batch_size, 1),
                                   generator=generator)
-            for step, batch in enumerate(batches):
-                batch["heads"] = heads[step]
+            for i, batch in enumerate(batches):
+                batch["heads"] = heads[i]
         return batches
+
+    def steps_of(self, batches: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
+        """``batches`` grouped into optimizer steps of ``accumulation`` micro-batches."""
+        return [batches[i : i + self.accumulation] for i in range(0, len(batches), self.accumulation)]
+
+    def labels_in(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """How many labels the loss of ``micro_batches`` averages over (HF's ``num_items_in_batch``)."""
+        if self.model in models.CLASSIFIERS:
+            return sum(batch["labels"].numel() for batch in micro_batches)
+        return sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in micro_batches)
 
 
 @dataclasses.dataclass
 class Record:
-    """What one run produced: the global loss and intervention gradients of every step, final weights."""
+    """What one run produced: the global loss and the gradients of every step, final weights (of the
+    interventions and of every trainable base-model parameter, such as a trainable head)."""
 
     strategy: str
     world_size: int
@@ -220,9 +272,13 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, optimizer) -> None:
+    def micro_step(self, optimizer) -> None:
+        """After the backward of a micro-batch that is not the step's last (an engine counts them)."""
+
+    def step(self, optimizer, model: nn.Module) -> None:
+        """The optimizer step, then ``model.zero_grad()`` on the model trained, as HF Trainer clears."""
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad()
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         size = batch["input_ids"].shape[0]
@@ -232,15 +288,13 @@ class Strategy:
         start = self.rank * share
         sharded = {
             "input_ids": batch["input_ids"][start : start + share],
+            "attention_mask": batch["attention_mask"][start : start + share],
             "labels": batch["labels"][start : start + share],
             "locations": batch["locations"][:, start : start + share],
         }
         if "heads" in batch:
             sharded["heads"] = batch["heads"][:, start : start + share]
         return sharded
-
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
 
     def mean(self, value: torch.Tensor) -> float:
         return value.item()
@@ -287,6 +341,14 @@ class FSDP2(DDP):
 
     name = "fsdp2"
 
+    def prepare(self, model, optimizer, case):
+        # fully_shard replaces the base model's parameters with sharded ones (a trainable head's too): the
+        # optimizer is made again over them, with the same settings.
+        from ..optim import param_groups
+
+        wrapped = self.wrap(model)
+        return wrapped, torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)  # as train() makes it
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from ..fsdp import fully_shard_model
 
@@ -330,7 +392,7 @@ class DeepSpeed(DDP):
         self.name = f"zero{stage}" + {None: "", "cpu": "-offload", "nvme": "-nvme"}[offload]
         self.engine = None
 
-    def config(self, batch_size: int) -> dict:
+    def config(self, batch_size: int, accumulation: int = 1) -> dict:
         zero: dict = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
@@ -357,7 +419,7 @@ class DeepSpeed(DDP):
             zero[key] = {**zero[key], **value} if both else value
         return {
             "train_micro_batch_size_per_gpu": batch_size // self.world_size,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": accumulation,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,  # the same torch AdamW as the reference
@@ -366,7 +428,7 @@ class DeepSpeed(DDP):
     def prepare(self, model, optimizer, case):
         import deepspeed
 
-        config = self.config(case.batch_size)
+        config = self.config(case.batch_size, case.accumulation)
         if case.torch_dtype == torch.bfloat16:
             config["bf16"] = {"enabled": True}  # DeepSpeed's bf16: bf16 weights, fp32 master copies to step
         if self.offload == "nvme" and self.stage == 3:
@@ -378,10 +440,13 @@ class DeepSpeed(DDP):
         return self.engine, optimizer
 
     def backward(self, loss):
-        self.engine.backward(loss)
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loss is normalised by the step's labels already
 
-    def step(self, optimizer):
-        self.engine.step()
+    def micro_step(self, optimizer):
+        self.engine.step()  # not a boundary: the engine counts the micro-batch and keeps the gradients
+
+    def step(self, optimizer, model):
+        self.engine.step()  # the boundary: the optimizer steps and the engine clears every gradient
 
 
 class DataParallel(Strategy):
@@ -398,10 +463,6 @@ class DataParallel(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return nn.DataParallel(model)
-
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        # One loss per replica; with equal chunks their mean is the loss of the whole batch.
-        return loss.mean()
 
 
 class Accelerate(DDP):
@@ -693,13 +754,19 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
     held = parameter_bytes(model)
     strategy.reset_peak_memory()
     losses, grads = [], []
-    for batch in case.batches():
-        shard = strategy.shard(batch)
-        loss = strategy.reduce_loss(_loss(wrapped, shard, strategy.device))
-        strategy.backward(loss)
-        losses.append(strategy.mean(loss))
+    classifier = case.model in models.CLASSIFIERS
+    for micro_batches in case.steps_of(case.batches()):
+        labels = case.labels_in(micro_batches)
+        step_loss = torch.zeros((), dtype=torch.float64, device=strategy.device)
+        for index, batch in enumerate(micro_batches):
+            loss = _loss(wrapped, strategy.shard(batch), strategy.device, classifier=classifier) / labels
+            strategy.backward(loss * strategy.world_size)  # DDP, FSDP and ZeRO average over the ranks
+            step_loss += loss.detach().double()
+            if index < len(micro_batches) - 1:
+                strategy.micro_step(optimizer)
+        losses.append(strategy.mean(step_loss) * strategy.world_size)
         grads.append(intervention_grads(model))
-        strategy.step(optimizer)
+        strategy.step(optimizer, wrapped)
     weights = intervention_weights(model)
     peak = strategy.peak_memory()
     return Record(strategy.name, strategy.devices, losses, grads, weights, peak, held)
@@ -717,23 +784,36 @@ def parameter_bytes(model: nn.Module) -> int:
     return total
 
 
-def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+def _loss(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device, *,
+          classifier: bool = False) -> torch.Tensor:
+    """The sum of the cross-entropies of ``shard``'s labels (a language model's shifted by one position, as
+    HF's loss shifts them), in float32."""
     locations = shard["locations"].tolist()
     if "heads" in shard:
         locations = [(heads, positions) for heads, positions in zip(shard["heads"].tolist(), locations)]
-    _, counterfactual = model(
-        {"input_ids": shard["input_ids"].to(device)},
-        unit_locations={"sources->base": (None, locations)},
-        labels=shard["labels"].to(device),
-    )
-    return counterfactual.loss
+    base = {"input_ids": shard["input_ids"].to(device)}
+    if "attention_mask" in shard:
+        base["attention_mask"] = shard["attention_mask"].to(device)
+    _, counterfactual = model(base, unit_locations={"sources->base": (None, locations)})
+    logits, labels = counterfactual.logits.float(), shard["labels"].to(device)
+    if not classifier:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       ignore_index=-100, reduction="sum")
+
+
+def _trained(model: nn.Module):
+    """The interventions' parameters, and the base model's trainable ones (``model.<name>``)."""
+    yield from model.interventions.named_parameters()
+    yield from ((f"model.{name}", p) for name, p in model.model.named_parameters() if p.requires_grad)
 
 
 def intervention_grads(model: nn.Module) -> Tensors:
-    """CPU copies of the interventions' gradients, whole also when DeepSpeed ZeRO holds them split
-    (reading those is a collective: every rank calls this at the same point)."""
+    """CPU copies of the trained parameters' gradients (see ``_trained``), whole also when DeepSpeed ZeRO,
+    FSDP or tensor parallelism holds them split (reading those is a collective: every rank calls this
+    at the same point)."""
     grads = {}
-    for name, parameter in model.interventions.named_parameters():
+    for name, parameter in _trained(model):
         if parameter.requires_grad:
             grad = parameter.grad
             if grad is None and "deepspeed" in sys.modules:
@@ -741,21 +821,26 @@ def intervention_grads(model: nn.Module) -> Tensors:
 
                 grad = safe_get_full_grad(parameter)
             if grad is None:
-                raise AssertionError(f"intervention parameter {name} received no gradient")
-            grads[name] = grad.detach().float().cpu().clone()
+                raise AssertionError(f"trained parameter {name} received no gradient")
+            grads[name] = _whole(grad).detach().float().cpu().clone()
     return grads
 
 
 def intervention_weights(model: nn.Module) -> Tensors:
-    """CPU copies of the interventions' parameters, whole also under DeepSpeed ZeRO (a collective, as above)."""
+    """CPU copies of the trained parameters, whole also under DeepSpeed ZeRO, FSDP or tensor parallelism
+    (a collective, as above)."""
     weights = {}
-    for name, parameter in model.interventions.named_parameters():
+    for name, parameter in _trained(model):
         if hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping"):
             from deepspeed.utils import safe_get_full_fp32_param
 
             parameter = safe_get_full_fp32_param(parameter)
-        weights[name] = parameter.detach().float().cpu().clone()
+        weights[name] = _whole(parameter).detach().float().cpu().clone()
     return weights
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor: every shard
 
 
 def _default_device() -> torch.device:

@@ -13,10 +13,13 @@ Keyword-only, small defaults. ``forward_calls`` draws a ``ForwardCall``: the key
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from .matrix import Configuration
 
 #: How ``unit_locations`` is spelled. Each is a form pyvene's ``forward`` accepts.
 LOCATION_FORMATS = (
@@ -108,3 +111,28 @@ def _spell(location_format: str, locations: torch.Tensor, keep: list[bool]) -> d
     if location_format == "broadcast-int":
         return {"base": int(locations[0, 0, 0])}
     return {"base": sorted(set(locations[0, 0].tolist()))}  # broadcast-positions
+
+
+@st.composite
+def configurations(draw, *, attention: str = "eager", max_layers: int = 3) -> "Configuration":
+    """A ``matrix.Configuration`` using ``attention``: an architecture that has it, any component pyvene maps
+    for it, 1-``max_layers`` of its layers, pyreft positions ``fN``, ``lN`` or ``fN+lM`` with or without
+    shared weights, any pyreft intervention, float32 or bfloat16, padding on either side."""
+    from .matrix import ARCHITECTURES, INTERVENTIONS, LAYERS, Configuration, attentions, components
+
+    architecture = draw(st.sampled_from([a for a in ARCHITECTURES if attention in attentions(a)]))
+    first, last = draw(st.tuples(st.integers(0, 2), st.integers(0, 2)).filter(any))
+    positions = "+".join(f"{side}{count}" for side, count in (("f", first), ("l", last)) if count)
+    return Configuration(
+        architecture=architecture,
+        attention=attention,
+        component=draw(st.sampled_from(components(architecture))),
+        layers=tuple(sorted(draw(st.sets(st.integers(0, LAYERS - 1), min_size=1, max_size=max_layers)))),
+        positions=positions,
+        share_weights=draw(st.booleans()),
+        intervention=draw(st.sampled_from(INTERVENTIONS)),
+        dtype=draw(st.sampled_from(("float32", "bfloat16"))),
+        padding=draw(st.sampled_from(("left", "right"))),
+        lengths=tuple(draw(st.lists(st.integers(4, 8), min_size=2, max_size=3))),
+        seed=draw(st.integers(0, 2**16)),
+    )
