@@ -6,8 +6,10 @@ the first forward failed: ``mat1 and mat2 must have the same dtype, but got Floa
 LoReFT's rotation came back only to rounding.
 """
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +66,10 @@ def test_reloaded_interventions_answer_exactly_as_trained(patched, checkpoint, t
         _, trained = reft_model({"input_ids": ids}, unit_locations=locations)
     out = tmp_path / "answer.pt"
     torch.save({"ids": ids, "locations": locations}, out)
-    subprocess.run([sys.executable, "-c", LOAD_AND_ANSWER, str(checkpoint), str(saved), dtype, str(out)], check=True)
+    tests = str(Path(__file__).parent)  # helpers, for the fresh process as for this one
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-c", LOAD_AND_ANSWER, str(checkpoint), str(saved), dtype, str(out)], check=True,
+                   env={**os.environ, "PYTHONPATH": path})
     reloaded = torch.load(out)["logits"]
     assert reloaded.dtype == trained.logits.dtype == getattr(torch, dtype)
     torch.testing.assert_close(reloaded, trained.logits, rtol=0, atol=0)

@@ -211,12 +211,6 @@ def aliases_saved(tensor: torch.Tensor) -> bool:
     root = tensor if tensor._base is None else tensor._base
     if root.grad_fn is None:  # nothing recorded a backward: nothing saved it
         return False
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-        # Saved tensors are packed by someone else's hooks (non-reentrant checkpointing, offloading):
-        # reading one unpacks it, which holds a second copy of the layer's activations (test_plan measured
-        # the checkpointed peak at 2.1 x its plan). Presume it aliases: the copy is one hooked tensor, freed
-        # with the module's forward.
-        return True
     storage = _data_pointer(root)
     pending, seen = [root.grad_fn], set()
     while pending and len(seen) < NODES_SEARCHED:
@@ -228,8 +222,7 @@ def aliases_saved(tensor: torch.Tensor) -> bool:
             if _packed_by_hooks(node, name):
                 # Saved under someone's saved-tensor hooks (checkpointing, offloading): reading it would
                 # unpack it, recomputing the checkpointed layer in the forward (test_plan measured the
-                # checkpointed peak at 2.2 x). Such a region recomputes what it saved: a write outside it
-                # changes nothing it uses; a hook inside it copies (above).
+                # checkpointed peak at 2.2 x). The region recomputes what it saved, hooks included.
                 continue
             saved = getattr(node, name)
             for item in saved if isinstance(saved, (tuple, list)) else (saved,):
