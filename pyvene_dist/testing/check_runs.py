@@ -65,7 +65,11 @@ def representation_layers(config) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class CheckCase(ParityCase):
     """A ``ParityCase`` whose ``model`` may also be a local path (see ``model_config``): weights are
-    loaded when the directory has them, else drawn from ``seed``. Dropout is switched off."""
+    loaded when the directory has them, else drawn from ``seed``. Dropout is switched off. The interventions
+    train alone, as pyreft trains them by default: tensor parallel shards the head, and a user's model may
+    tie it (the test suite's default case trains a head beside them)."""
+
+    trainable_head: bool = False
 
     @property
     def local(self) -> bool:

@@ -115,14 +115,7 @@ class ParityCase:
         return TOLERANCES[self.torch_dtype]
 
     def build(self):
-        model = self.reft_model(self.base_model())
-        if self.trainable_head:
-            head = getattr(model.model, "score", None) if self.model in models.CLASSIFIERS \
-                else model.model.get_output_embeddings()
-            # GPT-2's lm_head is its input embedding: training it is training the embedding, not a head
-            if head.weight is not model.model.get_input_embeddings().weight:
-                head.requires_grad_(True)
-        return model
+        return self.reft_model(self.base_model())
 
     def base_model(self) -> nn.Module:
         """The base model alone, its weights drawn from ``seed``."""
@@ -151,6 +144,12 @@ class ParityCase:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": self.checkpointing == "reentrant"}
             )
+        if self.trainable_head:  # here, so that every strategy's build (device_map's too) trains it
+            head = getattr(model.model, "score", None) if self.model in models.CLASSIFIERS \
+                else model.model.get_output_embeddings()
+            # GPT-2's lm_head is its input embedding: training it is training the embedding, not a head
+            if head.weight is not model.model.get_input_embeddings().weight:
+                head.requires_grad_(True)
         return model
 
     def batches(self, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
