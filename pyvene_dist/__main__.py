@@ -1,9 +1,14 @@
-"""Command line: ``pyvene-dist check`` and ``pyvene-dist plan`` (also ``python -m pyvene_dist ...``).
+"""Command line: ``pyvene-dist check``, ``plan``, ``fixes`` and ``tiny-model`` (also ``python -m pyvene_dist ...``).
 
 ``check`` exits 0 when every strategy that ran agrees with one device, 1 when one differs or failed.
-``plan`` prints the estimated memory per GPU of each strategy and exits 0. Both exit 2 on a usage
-mistake (unknown strategy, missing model, more ranks than devices, layers outside the model), reported
-as one line.
+``plan`` prints the estimated memory per GPU of each strategy and exits 0. ``fixes`` lists the fixes and
+whether ``patch()`` applies them here. ``tiny-model`` saves a tiny Llama and its tokenizer to a folder, to
+try the examples on. All exit 2 on a usage mistake (unknown strategy, missing model, more ranks than
+devices, layers outside the model), reported as one line.
+
+The flags are those of docs/examples/train_reft.py and serve_reft.py: dtypes by their torch names
+(``float32``, ``bfloat16``, ``float16``), layers as ``2,8``. The older spellings (``--dtype bf16``,
+``--layers '2;8'``) still work, with a one-line note on stderr.
 """
 
 from __future__ import annotations
@@ -36,11 +41,30 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+#: The torch names, as train_reft.py's ``--dtype``; the short names plan took before still work.
+DTYPES = ("float32", "bfloat16", "float16")
+OLD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _deprecated(old: str, new: str) -> None:
+    print(f"pyvene-dist: {old} is deprecated and will stop working; write {new}", file=sys.stderr)
+
+
+def _dtype(text: str) -> str:
+    if text in OLD_DTYPES:
+        _deprecated(f"--dtype {text}", f"--dtype {OLD_DTYPES[text]}")
+        return OLD_DTYPES[text]
+    return text
+
+
 def _layers(text: str) -> tuple[int, ...]:
+    if ";" in text:  # train_reft.py's old separator, pyreft's examples' one
+        _deprecated(f"--layers {text!r}", f"--layers {text.replace(';', ',')}")
+        text = text.replace(";", ",")
     try:
         layers = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"layers are comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"layers are comma-separated integers such as 2,8, got {text!r}") from None
     return layers
 
 
@@ -75,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--world-sizes", type=_sizes,
                        help="comma-separated ranks per run (default: 2, or 1 on a one-GPU machine); at most one "
                             "rank per GPU, or per CPU core without GPUs")
-    check.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    check.add_argument("--dtype", type=_dtype, choices=DTYPES[:2], default="float32")
     check.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
     check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
 
@@ -91,15 +115,30 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=_positive, default=1)
     plan.add_argument("--batch", type=_positive, default=1, help="sequences per GPU (default: 1)")
     plan.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default: 512)")
-    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    plan.add_argument("--dtype", type=_dtype, choices=DTYPES, default="bfloat16")
     plan.add_argument("--rank", type=_positive, default=4, help="LoReFT rank (default: 4)")
     plan.add_argument("--layers", type=_layers,
-                      help="comma-separated decoder layers with an intervention (default: the first and the last)")
+                      help="comma-separated decoder layers with an intervention, e.g. 2,8 (default: the first and "
+                           "the last)")
     plan.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     plan.add_argument("--zero", default="{}", help='ZeRO-3 settings over DeepSpeed\'s defaults, as in your config, '
                       'e.g. \'{"stage3_max_live_parameters": 3e7, "reduce_bucket_size": 5e6}\'')
     plan.add_argument("--gpu-memory", type=_gib, help="GiB per GPU (default: the first GPU's, or 80 without one)")
     plan.add_argument("--json", action="store_true", help="print the estimates as JSON instead of a table")
+
+    listing = commands.add_parser(
+        "fixes", help="list the fixes and whether patch() applies them here",
+        description="List every fix: what it fixes, whether pyvene_dist.patch() applies it in this environment "
+                    "(not when upstream carries it, or when a release is outside those it was checked on), and "
+                    "the releases it was checked on.")
+    listing.add_argument("--json", action="store_true", help="print the fixes as JSON instead of text")
+
+    tiny = commands.add_parser(
+        "tiny-model", help="save a tiny Llama and its tokenizer to a folder, to try the examples on",
+        description="Save a Llama with random weights (hidden 32, 2 layers) and a byte-level BPE tokenizer "
+                    "trained here, with save_pretrained: a folder that AutoModelForCausalLM and AutoTokenizer "
+                    "load. Nothing is downloaded.")
+    tiny.add_argument("folder", help="where to save it (created)")
     return root
 
 
@@ -107,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser().parse_args(argv)
     if arguments.command == "plan":
         return _plan(arguments)
+    if arguments.command == "fixes":
+        from . import fix_list
+
+        found = fix_list.rows()
+        print(fix_list.to_json(found) if arguments.json else fix_list.table(found))
+        return 0
+    if arguments.command == "tiny-model":
+        from .testing.models import save_checkpoint
+
+        print(save_checkpoint(arguments.folder))
+        return 0
     from . import check, patch
 
     progress = check.Progress(sys.stderr)

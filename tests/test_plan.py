@@ -188,7 +188,7 @@ def test_the_command_prints_every_strategy_and_whether_it_fits(config_folder, ca
 
 def test_the_json_rows_add_up(config_folder, capsys):
     code, out, err = cli(capsys, "--model", str(config_folder / "config.json"), "--gpus", "4", "--nodes", "2",
-                         "--dtype", "fp32", "--zero", '{"stage3_max_live_parameters": 3e7}', "--json")
+                         "--dtype", "float32", "--zero", '{"stage3_max_live_parameters": 3e7}', "--json")
     assert code == 0, err
     rows = {row["strategy"]: row for row in json.loads(out)}
     assert set(rows) == set(plan.PLANNED)

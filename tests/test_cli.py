@@ -1,0 +1,90 @@
+"""The command line's shared vocabulary (dtypes by torch name, layers as ``2,8``, the old spellings still taken
+with a note) and ``pyvene-dist fixes``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyvene_dist import _versions
+
+
+def run(capsys, *arguments) -> tuple[int, str, str]:
+    """``pyvene-dist ARGUMENTS`` in this process (the console script calls the same ``main``)."""
+    from pyvene_dist.__main__ import main
+
+    try:
+        code = main(list(arguments))
+    except SystemExit as exit:  # argparse's own usage errors
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+PLAN = ("plan", "--model", "llama-1b", "--gpus", "2", "--gpu-memory", "80")
+
+
+def test_the_old_spellings_give_the_same_plan_with_a_note_naming_the_new(capsys):
+    code, current, err = run(capsys, *PLAN, "--dtype", "float32", "--layers", "2,8")
+    assert code == 0 and not err, err
+    assert "float32, batch" in current.splitlines()[0] and "at layers 2,8;" in current.splitlines()[0]
+    code, old, err = run(capsys, *PLAN, "--dtype", "fp32", "--layers", "2;8")
+    assert code == 0 and old == current
+    assert err.splitlines() == ["pyvene-dist: --dtype fp32 is deprecated and will stop working; write --dtype float32",
+                                "pyvene-dist: --layers '2;8' is deprecated and will stop working; write --layers 2,8"]
+
+
+def test_check_takes_the_dtype_names_it_can_run_and_refuses_others_naming_them(capsys):
+    code, _, err = run(capsys, "check", "--dtype", "float16")
+    assert code == 2 and "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')" in err
+    from pyvene_dist.__main__ import parser
+
+    assert parser().parse_args(["check", "--dtype", "bf16"]).dtype == "bfloat16"
+    assert "write --dtype bfloat16" in capsys.readouterr().err
+
+
+def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
+    from pyvene_dist.fixes import fixes
+
+    code, out, _ = run(capsys, "fixes", "--json")
+    assert code == 0
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert list(rows) == [fix.name for fix in fixes()]
+    assert all(row["applied"] and not row["reason"] for row in rows.values())  # CI's releases are the checked ones
+    assert rows["hooks"]["checked"] == {"pyvene": "==0.1.8"} and rows["hooks"]["installed"] == {"pyvene": "0.1.8"}
+    assert rows["trainer"]["fixes"] == "HF Trainer and pyreft's trainers work together with no extra arguments."
+    code, out, _ = run(capsys, "fixes")
+    assert code == 0 and out.splitlines()[-1] == f"{len(rows)} of {len(rows)} fixes applied here by pyvene_dist.patch()"
+    assert "hooks: applied; checked on pyvene==0.1.8" in out.splitlines()
+
+
+def test_fixes_says_which_a_newer_pyvene_would_leave_out_and_why(capsys, monkeypatch):
+    real = _versions.installed_version
+    monkeypatch.setattr(_versions, "installed_version", lambda name: "0.2.0" if name == "pyvene" else real(name))
+    code, out, _ = run(capsys, "fixes", "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    refused = {name for name, row in rows.items() if not row["applied"]}
+    # By hand from the records: checked on pyvene ==0.1.8 exactly (data_parallel, orthogonal and tensor_parallel
+    # take >=0.1.8; consistency, fsdp, householder and weight_decay do not depend on pyvene).
+    assert refused == set(rows) - {"data_parallel", "orthogonal", "tensor_parallel", "consistency", "fsdp",
+                                   "householder", "weight_decay", "trainer"}
+    assert rows["hooks"]["reason"] == ("patch() refuses: pyvene 0.2.0 is installed; pyvene_dist supports "
+                                       "pyvene==0.1.8 (checked for the fixes hooks)")
+
+
+@pytest.mark.parametrize("layers", ["2,x", "two"])
+def test_a_bad_layer_list_names_the_expected_form(capsys, layers):
+    code, _, err = run(capsys, *PLAN, "--layers", layers)
+    assert code == 2 and f"layers are comma-separated integers such as 2,8, got {layers!r}" in err
+
+
+def test_check_without_pyreft_says_how_to_install_it(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "pyreft" else real(name, *rest))
+    code, out, err = run(capsys, "check", "--strategies", "ddp")
+    assert code == 2 and not out
+    assert err.strip().splitlines()[-1] == ("pyvene-dist: check trains LoReFT with pyreft; pyreft not installed here: "
+                                            'pip install "pyvene_dist[reft]" && pip install --no-deps pyreft==0.1.0')
