@@ -61,7 +61,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     train_reft.main(["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), "--dtype", dtype,
-                     "--layers", "all" if options.tiny else "4;8;12;16", "--positions", "f1+l1",
+                     "--layers", "all" if options.tiny else "4,8,12,16", "--positions", "f1+l1",
                      "--bf16", "--gradient_checkpointing", "--max_steps", str(options.steps),
                      "--per_device_train_batch_size", str(options.batch), "--learning_rate", "4e-3",
                      "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
@@ -71,8 +71,7 @@ def main():
     peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
 
     served = out / "served.pt"
-    subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "serve_reft.py"), "--model", str(checkpoint),
-                    "--interventions", str(run / "reft"), "--positions", "f1+l1", "--dtype", dtype,
+    subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "serve_reft.py"), "--interventions", str(run / "reft"),
                     "--prompt", PROMPT, "--out", str(served)], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     trained, reloaded = torch.load(run / "answer.pt"), torch.load(served)

@@ -244,13 +244,13 @@ SERVED = {"ddp": "torchrun", "fsdp2": "accelerate-fsdp2.yaml", "zero3": "acceler
 
 
 @pytest.fixture(scope="session")
-def served(checkpoint, launched, tmp_path_factory):
+def served(launched, tmp_path_factory):
     """A fresh process loads each saved set with pyreft's ReftModel.load and answers PROMPT: serve_each.py runs
-    docs/examples/serve_reft.py's ``load`` for each folder in turn (one process start instead of three)."""
+    docs/examples/serve_reft.py's ``load`` for each folder in turn (one process start instead of three), with the
+    model, positions and dtype train_reft.py saved beside the interventions (none is passed here)."""
     folders = {strategy: str(launched(launcher).output_dir / "reft") for strategy, launcher in SERVED.items()}
     out = tmp_path_factory.mktemp("served") / "answers.pt"
-    run_together([[str(ROOT / "tests" / "scripts" / "serve_each.py"), str(out), str(checkpoint), PROMPT, POSITIONS,
-                   *folders.values()]], cwd=ROOT)
+    run_together([[str(ROOT / "tests" / "scripts" / "serve_each.py"), str(out), PROMPT, *folders.values()]], cwd=ROOT)
     answers = torch.load(out)
     return {strategy: answers[folder] for strategy, folder in folders.items()}
 

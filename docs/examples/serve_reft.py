@@ -1,12 +1,16 @@
 """Load interventions saved by train_reft.py (pyreft's format) onto the base model, in one process, and answer.
 
-    python docs/examples/serve_reft.py --model PATH --interventions out/reft --prompt "..." [--out answer.pt]
+    python docs/examples/serve_reft.py --interventions out/reft --prompt "..." [--out answer.pt]
 
-``--positions`` and ``--share_weights`` must be the ones the interventions were trained with, and
-``--dtype`` the model's dtype in training: the interventions come back in the dtype they were saved in.
+train_reft.py saves, beside the interventions, what answering needs (``train_settings.json``): the base
+model's folder, the positions, whether the first and last positions share weights, and the dtype. Flags
+override them (``--model`` when the model moved); for interventions saved by another script, pass
+``--model``, ``--positions``, ``--share_weights`` and ``--dtype`` as they were in training.
 """
 
 import argparse
+import json
+import os
 
 import torch
 
@@ -16,7 +20,21 @@ pyvene_dist.patch()
 
 import pyreft  # noqa: E402
 import transformers  # noqa: E402
-from train_reft import answer  # noqa: E402  (this folder)
+
+#: Written by train_reft.py beside the interventions.
+SETTINGS = "train_settings.json"
+DEFAULTS = {"positions": "l1", "share_weights": False, "dtype": "float32"}
+
+
+def settings(interventions, **given):
+    """What answering needs: the flags given, else what training saved, else ``DEFAULTS``."""
+    path = os.path.join(interventions, SETTINGS)
+    saved = json.load(open(path)) if os.path.isfile(path) else {}
+    found = {**DEFAULTS, **saved, **{name: value for name, value in given.items() if value is not None}}
+    if "model" not in found:
+        raise SystemExit(f"serve_reft.py: {interventions} has no {SETTINGS}; pass --model (and the --positions, "
+                         "--share_weights and --dtype of training)")
+    return found
 
 
 def load(model_path, interventions, dtype="float32"):
@@ -30,19 +48,47 @@ def load(model_path, interventions, dtype="float32"):
     return tokenizer, reft_model
 
 
+def unit_locations(reft_model, positions, share_weights, prompt_length):
+    """Where each intervention acts on a prompt of ``prompt_length`` tokens, as the training data put it."""
+    first, last = pyreft.parse_positions(positions)
+    locations = pyreft.get_intervention_locations(
+        last_position=prompt_length, first_n=first, last_n=last, pad_mode="last",
+        num_interventions=len(reft_model.interventions), share_weights=share_weights)
+    return {"sources->base": (None, [[where] for where in locations])}
+
+
+@torch.no_grad()
+def answer(reft_model, tokenizer, prompt, positions, share_weights, max_new_tokens=16):
+    """The logits of ``prompt`` and its greedy continuation, with the interventions on the prompt."""
+    device = next(reft_model.model.parameters()).device
+    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    locations = unit_locations(reft_model, positions, share_weights, inputs["input_ids"].shape[-1])
+    _, output = reft_model(inputs, unit_locations=locations)
+    _, generated = reft_model.generate(inputs, unit_locations=locations, intervene_on_prompt=True,
+                                       max_new_tokens=max_new_tokens, do_sample=False,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return {"logits": output.logits.float().cpu(), "ids": generated[0].cpu(),
+            "text": tokenizer.decode(generated[0], skip_special_tokens=True)}
+
+
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="the base model's folder or hub name, with its tokenizer")
-    parser.add_argument("--interventions", required=True, help="the folder ReftModel.save wrote")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interventions", required=True, help="the folder train_reft.py (ReftModel.save) wrote")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--positions", default="l1")
-    parser.add_argument("--share_weights", action="store_true")
-    parser.add_argument("--max_new_tokens", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", help=f"the base model's folder, with its tokenizer (default: from {SETTINGS})")
+    parser.add_argument("--positions", help=f"as in training, e.g. f1+l1 (default: from {SETTINGS}, else l1)")
+    parser.add_argument("--share_weights", "--share-weights", action="store_true", default=None,
+                        help=f"the first and last positions share one intervention (default: from {SETTINGS})")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help=f"the model's dtype in training (default: from {SETTINGS}, else float32)")
+    parser.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=16)
     parser.add_argument("--out", help="save the logits, token ids and text here (torch.save)")
     options = parser.parse_args()
-    tokenizer, reft_model = load(options.model, options.interventions, options.dtype)
-    result = answer(reft_model, tokenizer, options, options.prompt)
+    found = settings(options.interventions, model=options.model, positions=options.positions,
+                     share_weights=options.share_weights, dtype=options.dtype)
+    tokenizer, reft_model = load(found["model"], options.interventions, found["dtype"])
+    result = answer(reft_model, tokenizer, options.prompt, found["positions"], found["share_weights"],
+                    options.max_new_tokens)
     print(f"{options.prompt!r} -> {result['text']!r}")
     if options.out:
         torch.save(result, options.out)

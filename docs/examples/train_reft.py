@@ -10,7 +10,8 @@
 JSONL) of {"instruction": ..., "output": ...}. Every HF ``TrainingArguments`` flag works as with HF
 Trainer (``--bf16``, ``--gradient_checkpointing``, ``--deepspeed``, ``--per_device_train_batch_size``).
 The interventions are saved once, in pyreft's format (``ReftModel.save``), to ``--save_dir``
-(default ``OUTPUT_DIR/reft``); ``docs/examples/serve_reft.py`` loads them for generation.
+(default ``OUTPUT_DIR/reft``), with ``train_settings.json`` beside them (the model, layers, positions,
+shared weights, dtype): ``docs/examples/serve_reft.py --interventions OUTPUT_DIR/reft`` answers with them.
 Examples are cut to ``--model_max_length`` tokens (default: the model's ``max_position_embeddings``).
 """
 
@@ -18,6 +19,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import warnings
 
 import torch
 
@@ -28,6 +30,7 @@ pyvene_dist.patch()  # before pyreft builds the model
 import pyreft  # noqa: E402
 import transformers  # noqa: E402
 from pyvene_dist.gather import gathered  # noqa: E402
+from serve_reft import SETTINGS, answer  # noqa: E402  (this folder)
 
 logger = transformers.utils.logging.get_logger("train_reft")
 
@@ -36,7 +39,7 @@ logger = transformers.utils.logging.get_logger("train_reft")
 class ReftArguments:
     model: str = dataclasses.field(metadata={"help": "a model folder or hub name, with its tokenizer"})
     data: str = dataclasses.field(metadata={"help": "JSON list or JSONL of {'instruction': ..., 'output': ...}"})
-    layers: str = dataclasses.field(default="all", metadata={"help": "'all', or layer numbers as '2;10;18'"})
+    layers: str = dataclasses.field(default="all", metadata={"help": "'all', or layer numbers as 2,10,18"})
     positions: str = dataclasses.field(default="l1", metadata={"help": "prompt positions: first n and last n, "
                                                                        "as pyreft writes them: 'f1+l1', 'l1'"})
     share_weights: bool = dataclasses.field(default=False, metadata={"help": "one intervention for f and l"})
@@ -60,6 +63,10 @@ def parse_arguments(argv=None):
         parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
     if not isinstance(getattr(torch, reft_args.dtype, None), torch.dtype):
         parser.error(f"--dtype {reft_args.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+    if ";" in reft_args.layers:  # the separator of pyreft's examples, and of this script before
+        warnings.warn(f"--layers {reft_args.layers!r}: separate layers with commas, as "
+                      f"{reft_args.layers.replace(';', ',')}; ';' will stop working", FutureWarning, stacklevel=2)
+        reft_args.layers = reft_args.layers.replace(";", ",")
     return reft_args, training_args
 
 
@@ -91,11 +98,16 @@ def interventions_per_layer(reft_args) -> int:
     return 2 if first and last and not reft_args.share_weights else 1
 
 
-def build_reft_model(reft_args, model):
+def chosen_layers(reft_args, model) -> list[int]:
     count = model.config.num_hidden_layers
-    layers = list(range(count)) if reft_args.layers == "all" else [int(n) for n in reft_args.layers.split(";")]
+    layers = list(range(count)) if reft_args.layers == "all" else [int(n) for n in reft_args.layers.split(",")]
     if not all(0 <= layer < count for layer in layers):
         raise ValueError(f"--layers {reft_args.layers!r}: the model has layers 0 to {count - 1}")
+    return layers
+
+
+def build_reft_model(reft_args, model):
+    layers = chosen_layers(reft_args, model)
     intervention = getattr(pyreft, reft_args.intervention)
     reft_config = pyreft.ReftConfig(representations=[
         {"layer": layer, "component": reft_args.component, "low_rank_dimension": reft_args.rank,
@@ -118,27 +130,12 @@ def read_examples(path):
     return examples
 
 
-def unit_locations(reft_model, reft_args, prompt_length):
-    """Where each intervention acts on a prompt of ``prompt_length`` tokens, as the training data put it."""
-    first, last = pyreft.parse_positions(reft_args.positions)
-    locations = pyreft.get_intervention_locations(
-        last_position=prompt_length, first_n=first, last_n=last, pad_mode="last",
-        num_interventions=len(reft_model.interventions), share_weights=reft_args.share_weights)
-    return {"sources->base": (None, [[positions] for positions in locations])}
-
-
-@torch.no_grad()
-def answer(reft_model, tokenizer, reft_args, prompt):
-    """The logits of ``prompt`` and its greedy continuation, with the interventions on the prompt."""
-    device = next(reft_model.model.parameters()).device
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
-    locations = unit_locations(reft_model, reft_args, inputs["input_ids"].shape[-1])
-    _, output = reft_model(inputs, unit_locations=locations)
-    _, generated = reft_model.generate(inputs, unit_locations=locations, intervene_on_prompt=True,
-                                       max_new_tokens=reft_args.max_new_tokens, do_sample=False,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return {"logits": output.logits.float().cpu(), "ids": generated[0].cpu(),
-            "text": tokenizer.decode(generated[0], skip_special_tokens=True)}
+def train_settings(reft_args, model) -> dict:
+    """What serve_reft.py needs to answer as this model does, saved beside the interventions."""
+    path = reft_args.model
+    return {"model": os.path.abspath(path) if os.path.isdir(path) else path, "layers": chosen_layers(reft_args, model),
+            "positions": reft_args.positions, "share_weights": reft_args.share_weights, "dtype": reft_args.dtype,
+            "component": reft_args.component, "intervention": reft_args.intervention, "rank": reft_args.rank}
 
 
 def main(argv=None):
@@ -165,11 +162,14 @@ def main(argv=None):
     with gathered(reft_model), tempfile.TemporaryDirectory() as scratch:
         reft_model.save(save_dir if trainer.is_world_process_zero() else scratch, save_to_hf_hub=False)
     if trainer.is_world_process_zero():
+        with open(os.path.join(save_dir, SETTINGS), "w") as file:
+            json.dump(train_settings(reft_args, model), file, indent=1)
         logger.warning(f"interventions saved to {save_dir}")
 
     if reft_args.prompt is not None:  # every rank: under ZeRO-3 and FSDP, each forward gathers the weights
         reft_model.eval()
-        result = answer(reft_model, tokenizer, reft_args, reft_args.prompt)
+        result = answer(reft_model, tokenizer, reft_args.prompt, reft_args.positions, reft_args.share_weights,
+                        reft_args.max_new_tokens)
         if trainer.is_world_process_zero():
             torch.save(result, os.path.join(training_args.output_dir, "answer.pt"))
             logger.warning(f"{reft_args.prompt!r} -> {result['text']!r}")

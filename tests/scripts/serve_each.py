@@ -1,22 +1,21 @@
-"""docs/examples/serve_reft.py's loading and answering, in this one fresh process, for each folder of interventions.
+"""docs/examples/serve_reft.py's loading and answering, in this one fresh process, for each folder of interventions,
+with what train_reft.py saved beside them (its train_settings.json: model, positions, shared weights, dtype).
 
-    python serve_each.py OUT.pt MODEL PROMPT POSITIONS FOLDER...    (OUT.pt: {folder: answer})
+    python serve_each.py OUT.pt PROMPT FOLDER...    (OUT.pt: {folder: answer})
 """
 
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "docs" / "examples"))
 import serve_reft  # noqa: E402
-from train_reft import answer  # noqa: E402
 
-out, model, prompt, positions, *folders = sys.argv[1:]
-options = Namespace(positions=positions, share_weights=False, max_new_tokens=16)
+out, prompt, *folders = sys.argv[1:]
 answers = {}
 for folder in folders:
-    tokenizer, reft_model = serve_reft.load(model, folder)
-    answers[folder] = answer(reft_model, tokenizer, options, prompt)
+    found = serve_reft.settings(folder)
+    tokenizer, reft_model = serve_reft.load(found["model"], folder, found["dtype"])
+    answers[folder] = serve_reft.answer(reft_model, tokenizer, prompt, found["positions"], found["share_weights"])
 torch.save(answers, out)
