@@ -12,6 +12,7 @@ machine): more would only take turns on the same cores.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import torch
 from .testing import STRATEGIES, Record, Strategy, assert_parity, differences, spawn, train
 from .testing.parity import tolerance
 from .testing.check_runs import CheckCase
+from .testing.models import REFT_INSTALL
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported as one line, exit code 2."""
@@ -83,7 +85,11 @@ def reason(strategy: str, world_size: int) -> str | None:
 
 
 def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
-    """Raise ``UsageError`` for an unknown strategy or more ranks than this machine has devices."""
+    """Raise ``UsageError`` for an unknown strategy, more ranks than this machine has devices, or no pyreft."""
+    missing = [name for name in ("pyreft", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"check trains LoReFT with pyreft; {' and '.join(missing)} not installed here: "
+                         f"{REFT_INSTALL}")
     unknown = [name for name in strategies if name not in CHECKED and name != REFERENCE]
     if unknown:
         raise UsageError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(CHECKED)}")

@@ -8,12 +8,13 @@ python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 pip install "${PYVENE_DIST_TORCH:-torch==2.13.0}"
-pip install -e ".[test,accelerate]"
-# pyreft's own requirements pull in jupyter and wandb; what it imports is already here.
-pip install --no-deps pyreft==0.1.0
-# DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute).
+# DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute); before the
+# test extra, which names it, so that pip does not build it in an isolated environment without torch.
 pip install setuptools wheel
 pip install --no-build-isolation "deepspeed==0.19.8"
+pip install -e ".[test,accelerate]"
+# pyreft's own requirements pull in jupyter and wandb; what it imports is already here (the test extra).
+pip install --no-deps pyreft==0.1.0
 # Build DeepSpeed's shared-memory communication op now: every DeepSpeed process on CPU loads it when it joins
 # the process group, and the first ones would otherwise build it there (minutes on a loaded machine), each
 # waiting on the others' lock, inside the tests' time limits.

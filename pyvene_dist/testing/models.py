@@ -232,13 +232,17 @@ def component_width(base, component: str) -> int:
     return width
 
 
+#: How to install pyreft: its runtime needs from the extra, then pyreft alone (its own requirements pin
+#: transformers 4.45.1 and pull in jupyter and wandb, none of which it imports).
+REFT_INSTALL = 'pip install "pyvene_dist[reft]" && pip install --no-deps pyreft==0.1.0'
+
+
 def import_pyreft():
     try:
         import pyreft
     except ImportError as exc:
         raise ImportError(
-            "pyvene_dist.testing builds ReFT models with pyreft, which is not installed: "
-            "pip install --no-deps pyreft==0.1.0 datasets"
+            f"pyvene_dist.testing builds ReFT models with pyreft, which is not installed: {REFT_INSTALL}"
         ) from exc
     return pyreft
 

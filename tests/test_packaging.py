@@ -1,0 +1,61 @@
+"""The wheel installs with each extra and runs, in a fresh virtual environment, offline.
+
+The environment sees this one's packages (torch is never downloaded): it is made with
+``--system-site-packages`` and a ``.pth`` naming this interpreter's site-packages. pip then installs the
+wheel with ``--no-index``: each extra's requirements must be met by what is installed here (CI's set-up
+installs the test and accelerate extras), and a requirement no package here meets fails the install.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+EXTRAS = ("reft", "deepspeed", "accelerate", "test", "bench")
+
+
+#: Without the caller's PYTHONPATH, which may name this checkout: the fresh environment imports its own copy.
+ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
+def run(*command, **kwargs) -> str:
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=300, env=ENV,
+                            **kwargs)
+    assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def test_setup_cfg_declares_the_extras_the_readme_names():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert tuple(config["options.extras_require"]) == EXTRAS
+    assert "pip install --no-deps pyreft==0.1.0" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_with_each_extra_and_lists_the_fixes(tmp_path):
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+        "-w", tmp_path / "dist", ROOT)
+    (wheel,) = (tmp_path / "dist").glob("pyvene_dist-*.whl")
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    fresh_site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    # This environment's packages (torch, pyvene, pyreft...), after the fresh one's own; pip runs from here.
+    (fresh_site / "here.pth").write_text("\n".join([sysconfig.get_paths()["purelib"], *site.getsitepackages()]) + "\n")
+    pip = (python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-index")
+    run(*pip, "--no-deps", wheel)
+    for extra in EXTRAS:  # pip resolves each extra's requirements against what is installed, offline
+        run(*pip, f"{wheel}[{extra}]")
+    found = run(python, "-c", "import pyvene_dist; print(pyvene_dist.__file__)", cwd=tmp_path)
+    assert found.startswith(str(fresh_site)), found  # the wheel's copy, not this checkout's
+    listing = run(venv / "bin" / "pyvene-dist", "fixes", cwd=tmp_path)
+    assert listing.splitlines()[-1].endswith("fixes applied here by pyvene_dist.patch()"), listing
