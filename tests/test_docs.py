@@ -95,9 +95,21 @@ TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
                    "process"),
 }
 
+#: The README's "Try it on CPU" example, run in order by one test.
+README_EXAMPLE = RunBy("tests/test_readme.py::test_the_readme_example_trains_saves_and_reloads_on_cpu",
+                       ("example_commands()", "tiny-model", "serve_reft.py", "instructions.json"))
+
 #: Commands other tests (or CI's setup) run.
 RUN_BY: dict[str, RunBy] = {
     **TRAIN_REFT_COMMANDS,
+    ".venv/bin/pyvene-dist tiny-model out/tiny-llama": README_EXAMPLE,
+    ".venv/bin/torchrun --nproc_per_node 2 docs/examples/train_reft.py --model out/tiny-llama --data "
+    "docs/examples/data/instructions.json --positions f1+l1 --output_dir out/run --use_cpu --max_steps 12 "
+    "--learning_rate 4e-3": README_EXAMPLE,
+    '.venv/bin/python docs/examples/serve_reft.py --interventions out/run/reft --prompt "What colour is snow?"':
+        README_EXAMPLE,
+    "pyvene-dist fixes": RunBy("tests/test_cli.py::test_fixes_lists_every_fix_applied_here_with_its_ranges",
+                               ('run(capsys, "fixes")',)),
     **{command: RunBy("tests/workloads/test_example_scripts.py::test_alpaca_train_under_torchrun_matches_one_process",
                       evidence) for command, evidence in (
         ('python docs/examples/run_pyreft_example.py path/to/pyreft/examples/alpaca/train.py --model_name_or_path path/to/model --data_path alpaca_data.json --output_dir out --layers "0;1" --position f1+l1 --gradient_accumulation_steps 2', ("WRAPPER", "nproc > 1")),
@@ -105,7 +117,9 @@ RUN_BY: dict[str, RunBy] = {
     "bash scripts/setup.sh": CI,
     ".venv/bin/python -m pytest": CI,
     "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),
-    'pip install -e ".[accelerate]"': RunBy("scripts/setup.sh", ('pip install -e ".[test,accelerate]"',)),
+    'pip install -e ".[reft,accelerate]"': RunBy("tests/test_packaging.py::test_the_wheel_installs_with_each_extra_"
+                                                 "and_lists_the_fixes", ('"reft"', '"accelerate"', 'f"{wheel}[{extra}]"'),
+                                                 note="the wheel, with each extra; setup.sh installs the test extra"),
     "pip install --no-deps pyreft==0.1.0": RunBy("scripts/setup.sh", ("pip install --no-deps pyreft==0.1.0",)),
     ".venv/bin/pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
@@ -493,9 +507,10 @@ def test_the_upstreaming_tables_follow_the_records():
 
 
 
-# --- figures in README.md against the rows in benchmarks/results ------------------------------------------------
+# --- figures in docs/benchmarks.md's summary (the README links it) against the rows in benchmarks/results -------
 
 RESULTS = ROOT / "benchmarks" / "results"
+SUMMARY = ROOT / "docs" / "benchmarks.md"
 
 
 def _pairs(name: str, strategy: str, batch: int) -> list[float]:
@@ -507,19 +522,19 @@ def _pairs(name: str, strategy: str, batch: int) -> list[float]:
             if one["world_size"] == 1 and two["world_size"] == 2]
 
 
-def test_the_readme_ddp_figures_say_how_many_runs_back_them():
+def test_the_ddp_figures_say_how_many_runs_back_them():
     ddp_8 = _pairs("ddp-scaling-2xH200.jsonl", "ddp", 8) + _pairs("fsdp-scaling-2xH200.jsonl", "ddp", 8)
     independent_8 = _pairs("ddp-scaling-2xH200.jsonl", "independent", 8)
-    (ddp_32,) = _pairs("ddp-scaling-2xH200.jsonl", "ddp", 32)  # one run: the README must say so
-    readme = (ROOT / "README.md").read_text()
+    (ddp_32,) = _pairs("ddp-scaling-2xH200.jsonl", "ddp", 32)  # one run: the page must say so
+    readme = SUMMARY.read_text()
     expected = [f"{ddp_32:.2f} x at 32 x 512 tokens per GPU (one pair of runs",
                 f"{min(ddp_8):.2f}-{max(ddp_8):.2f} over {len(ddp_8)} pairs of runs",
                 f"{min(independent_8):.2f}-{max(independent_8):.2f} over {len(independent_8)})"]
     missing = [text for text in expected if text not in readme]
-    assert not missing, f"README.md does not state what the rows give: {missing}"
+    assert not missing, f"docs/benchmarks.md does not state what the rows give: {missing}"
 
 
-def test_the_readme_zero_figures_say_how_many_runs_back_them():
+def test_the_zero_figures_say_how_many_runs_back_them():
     rows = [json.loads(line) for line in (RESULTS / "zero-memory-2xH200.jsonl").read_text().splitlines()]
     at_59b = [row for row in rows if row.get("hidden") == 4096 and row["checkpointing"] == "non-reentrant"]
     peak = {row["strategy"]: [r["peak_memory_gib"] for r in at_59b if r["strategy"] == row["strategy"]]
@@ -527,7 +542,7 @@ def test_the_readme_zero_figures_say_how_many_runs_back_them():
     assert all(len(found) == 1 for found in peak.values()), peak  # "one run each"
     zero3, offload = peak["zero3"][0] / peak["ddp"][0], peak["zero3-offload"][0] / peak["ddp"][0]
     stated = "0.59 x DDP's at 5.9B, 0.11 x with CPU offload (one run each"
-    assert f"{zero3:.2f}" == "0.59" and f"{offload:.2f}" == "0.11" and stated in (ROOT / "README.md").read_text()
+    assert f"{zero3:.2f}" == "0.59" and f"{offload:.2f}" == "0.11" and stated in SUMMARY.read_text()
 
 
 def test_the_supported_versions_are_the_tested_ones():
