@@ -7,8 +7,9 @@ try the examples on. All exit 2 on a usage mistake (unknown strategy, missing mo
 devices, layers outside the model), reported as one line.
 
 The flags are those of docs/examples/train_reft.py and serve_reft.py: dtypes by their torch names
-(``float32``, ``bfloat16``, ``float16``), layers as ``2,8``. The older spellings (``--dtype bf16``,
-``--layers '2;8'``) still work, with a one-line note on stderr.
+(``float32``, ``bfloat16``, ``float16``), layers as ``2,8``, and multi-word flags with ``-`` or ``_``
+(``--seq-len`` or ``--seq_len``, as HF's argument parser takes both). The older spellings
+(``--dtype bf16``, ``--layers '2;8'``) still work, with a one-line note on stderr.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
                             "or a config .json file")
     check.add_argument("--strategies", type=lambda t: t.split(","), default=list(CHECKED),
                        help=f"comma-separated, of: {', '.join(CHECKED)} (default: all)")
-    check.add_argument("--world-sizes", type=_sizes,
+    check.add_argument("--world-sizes", "--world_sizes", type=_sizes,
                        help="comma-separated ranks per run (default: 2, or 1 on a one-GPU machine); at most one "
                             "rank per GPU, or per CPU core without GPUs")
     check.add_argument("--dtype", type=_dtype, choices=DTYPES[:2], default="float32")
@@ -114,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=_positive, required=True, help="GPUs per node")
     plan.add_argument("--nodes", type=_positive, default=1)
     plan.add_argument("--batch", type=_positive, default=1, help="sequences per GPU (default: 1)")
-    plan.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default: 512)")
+    plan.add_argument("--seq-len", "--seq_len", type=_positive, default=512,
+                      help="tokens per sequence (default: 512)")
     plan.add_argument("--dtype", type=_dtype, choices=DTYPES, default="bfloat16")
     plan.add_argument("--rank", type=_positive, default=4, help="LoReFT rank (default: 4)")
     plan.add_argument("--layers", type=_layers,
@@ -123,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
     plan.add_argument("--zero", default="{}", help='ZeRO-3 settings over DeepSpeed\'s defaults, as in your config, '
                       'e.g. \'{"stage3_max_live_parameters": 3e7, "reduce_bucket_size": 5e6}\'')
-    plan.add_argument("--gpu-memory", type=_gib, help="GiB per GPU (default: the first GPU's, or 80 without one)")
+    plan.add_argument("--gpu-memory", "--gpu_memory", type=_gib,
+                      help="GiB per GPU (default: the first GPU's, or 80 without one)")
     plan.add_argument("--json", action="store_true", help="print the estimates as JSON instead of a table")
 
     listing = commands.add_parser(

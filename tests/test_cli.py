@@ -35,6 +35,12 @@ def test_the_old_spellings_give_the_same_plan_with_a_note_naming_the_new(capsys)
                                 "pyvene-dist: --layers '2;8' is deprecated and will stop working; write --layers 2,8"]
 
 
+def test_flags_take_underscores_as_the_example_scripts_do(capsys):
+    _, dashes, _ = run(capsys, *PLAN, "--seq-len", "256")
+    _, underscores, err = run(capsys, *PLAN[:-2], "--gpu_memory", "80", "--seq_len", "256")
+    assert underscores == dashes and "256 tokens per GPU" in dashes and not err
+
+
 def test_check_takes_the_dtype_names_it_can_run_and_refuses_others_naming_them(capsys):
     code, _, err = run(capsys, "check", "--dtype", "float16")
     assert code == 2 and "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')" in err
@@ -83,7 +89,8 @@ def test_check_without_pyreft_says_how_to_install_it(capsys, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "pyreft" else real(name, *rest))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "pyreft" else real(name, *rest))
     code, out, err = run(capsys, "check", "--strategies", "ddp")
     assert code == 2 and not out
     assert err.strip().splitlines()[-1] == ("pyvene-dist: check trains LoReFT with pyreft; pyreft not installed here: "

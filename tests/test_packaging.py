@@ -29,7 +29,8 @@ ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"
 def run(*command, **kwargs) -> str:
     result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=300, env=ENV,
                             **kwargs)
-    assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (f"{command} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-3000:]}")
     return result.stdout
 
 
