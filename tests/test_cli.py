@@ -95,3 +95,14 @@ def test_check_without_pyreft_says_how_to_install_it(capsys, monkeypatch):
     assert code == 2 and not out
     assert err.strip().splitlines()[-1] == ("pyvene-dist: check trains LoReFT with pyreft; pyreft not installed here: "
                                             'pip install "pyvene_dist[reft]" && pip install --no-deps pyreft==0.1.0')
+
+
+def test_tiny_model_saves_a_folder_the_auto_classes_load(capsys, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    code, out, _ = run(capsys, "tiny-model", str(tmp_path / "tiny"))
+    assert code == 0 and out.strip() == str(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 2)
+    assert tokenizer.decode(tokenizer("What colour is snow?")["input_ids"]).strip() == "What colour is snow?"
