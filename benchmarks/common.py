@@ -1,9 +1,10 @@
 """What the benchmark scripts share: Llama models built on the device from configs, LoRA and ReFT training
 steps, steps timed and interleaved, rows with their metadata, and profiles.
 
-Every row carries the same metadata (``metadata``): the GPU (or ``cpu``), package versions, the commit
-(``git rev-parse HEAD``, or ``PYVENE_DIST_COMMIT`` where the tree has no ``.git``, as on the device
-machines), the dtype and the time. ``summary`` gives p20/p50/p80, the median, the spread (p80 - p20 over
+Every row carries the same metadata (``metadata``): the GPU (or ``cpu``) and the machine (how many GPUs),
+package versions, the commit (``git rev-parse HEAD``, or ``PYVENE_DIST_COMMIT`` where the tree has no
+``.git``, as on the device machines), a run id shared by the rows of one invocation, the dtype, the date
+and the time. ``summary`` gives p20/p50/p80, the median, the spread (p80 - p20 over
 the median) and each interleaved round's median; ``compare`` adds a row's ratio to its baseline's, round by
 round, so that a ratio's median and spread are read from rows timed side by side.
 """
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -281,9 +283,29 @@ def gpu_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+def machine(device) -> str:
+    """What ran the rows: ``2 x NVIDIA H200`` (the GPUs this process sees), or the CPU and its core count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.device_count()} x {gpu_name(device)}"
+    return f"{gpu_name(device)}, {os.cpu_count()} cores"
+
+
+def run_id() -> str:
+    """One id for every row of one invocation: ``PYVENE_DIST_RUN_ID`` when set (``run_h200.sh`` sets one for
+    all its parts), else made here and set in the environment, so that the processes this one starts (the
+    ranks of a scaling run) write the same id."""
+    if not os.environ.get("PYVENE_DIST_RUN_ID"):
+        now = datetime.datetime.now(datetime.timezone.utc)
+        os.environ["PYVENE_DIST_RUN_ID"] = f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+    return os.environ["PYVENE_DIST_RUN_ID"]
+
+
 def metadata(device, dtype) -> dict:
-    return {"gpu": gpu_name(device), "dtype": str(dtype).removeprefix("torch."), "versions": versions(),
-            "commit": commit(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"gpu": gpu_name(device), "machine": machine(device), "dtype": str(dtype).removeprefix("torch."),
+            "versions": versions(), "commit": commit(), "run_id": run_id(), "date": now.date().isoformat(),
+            "time": now.isoformat(timespec="seconds")}
 
 
 def peak_memory_gib(device) -> float | None:

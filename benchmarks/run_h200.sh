@@ -10,6 +10,8 @@
 # copy of the tree has no .git.
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
+# One run id for every row this invocation writes, whichever part and script writes it (benchmarks/common.py)
+export PYVENE_DIST_RUN_ID=${PYVENE_DIST_RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$(hostname -s)}
 parts=()
 for part in "$@"; do
   if [ "$part" = all-new ]; then parts+=(sharded compiled large-7b generation-stock generation); else parts+=("$part"); fi

@@ -179,6 +179,7 @@ def main(argv=None) -> int:
         options.model, options.seq_len, options.steps, options.warmup, options.batch = "llama", 16, 2, 1, 2
     from pyvene_dist.testing import spawn
 
+    common.run_id()  # set in the environment now: the spawned ranks' rows share it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     if options.profile:

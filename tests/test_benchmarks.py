@@ -58,9 +58,11 @@ def _smoke_rows(tmp_path, script, *arguments):
 
 
 def _assert_metadata(rows):
-    """What every row carries (benchmarks/common.py): the commit, versions, GPU, dtype, shapes, median and spread."""
+    """What every row carries (benchmarks/common.py): the commit, versions, GPU, machine, date, one run id for the
+    invocation, dtype, shapes, median and spread."""
+    _assert_provenance(rows)
     for row in rows:
-        assert row["commit"] and row["versions"]["torch"] and row["versions"]["pyvene"] and row["gpu"]
+        assert row["versions"]["torch"]
         assert row["dtype"] == "float32" and row["batch"] and row["time"]
         assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"] and row["spread"] >= 0
 
@@ -127,8 +129,16 @@ def test_calls_smoke_counts_the_same_calls_in_two_runs(tmp_path):
 
 
 def _assert_metadata_of_counts(rows):
+    _assert_provenance(rows)
+    assert all(row["batch"] for row in rows)
+
+
+def _assert_provenance(rows):
+    """Where a row came from: commit, versions, GPU and machine, date and time, and the invocation's one run id."""
     for row in rows:
-        assert row["commit"] and row["versions"]["pyvene"] and row["gpu"] and row["time"] and row["batch"]
+        assert row["commit"] and row["versions"]["pyvene"] and row["gpu"] and row["machine"] and row["time"]
+        assert row["date"] == row["time"][:10]
+    assert len({row["run_id"] for row in rows}) == 1, "the rows of one invocation carry one run id"
 
 
 def test_plot_draws_the_rows(tmp_path):
