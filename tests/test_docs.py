@@ -516,7 +516,7 @@ SUMMARY = ROOT / "docs" / "benchmarks.md"
 def _pairs(name: str, strategy: str, batch: int) -> list[float]:
     """2-GPU over 1-GPU throughput of each run of ``strategy`` at ``batch`` per GPU: a 1-GPU row and the 2-GPU
     row right after it."""
-    rows = [json.loads(line) for line in (RESULTS / name).read_text().splitlines()]
+    rows = [json.loads(line) for line in (RESULTS / "archive" / name).read_text().splitlines()]
     rows = [row for row in rows if row["strategy"] == strategy and row["batch"] == batch]
     return [two["tokens_per_s"] / one["tokens_per_s"] for one, two in zip(rows, rows[1:])
             if one["world_size"] == 1 and two["world_size"] == 2]
@@ -535,7 +535,7 @@ def test_the_ddp_figures_say_how_many_runs_back_them():
 
 
 def test_the_zero_figures_say_how_many_runs_back_them():
-    rows = [json.loads(line) for line in (RESULTS / "zero-memory-2xH200.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (RESULTS / "archive" / "zero-memory-2xH200.jsonl").read_text().splitlines()]
     at_59b = [row for row in rows if row.get("hidden") == 4096 and row["checkpointing"] == "non-reentrant"]
     peak = {row["strategy"]: [r["peak_memory_gib"] for r in at_59b if r["strategy"] == row["strategy"]]
             for row in at_59b}
@@ -566,3 +566,215 @@ def test_the_supported_versions_are_the_tested_ones():
             release = versions[name].split("+")[0]
             assert SpecifierSet(REQUIRED[name]).contains(release), f"{name} {release} ran but is not supported"
     assert "transformers 5.17-5.24 and torch 2.11-2.13" in (ROOT / "README.md").read_text()
+
+
+# --- every figure a page quotes is backed by rows in benchmarks/results ----------------------------------------
+
+#: A figure, as the pages quote one: a ratio with decimals ("1.32 x", "0.98-1.03 x", "1.51x"), a time in ms or
+#: us ("21.5 ms", "53-86 ms"), or a memory size ("6.62 GiB", "518 MiB"). Counts, sizes of inputs ("8 x 512",
+#: "2 x H200"), deviations ("4.8e-07"), goals ("at most 1.03 x") and anything in code blocks are not figures.
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+FIGURE = re.compile(rf"(?<![\w.])(?:(\d+\.\d+)(?:\s*-\s*(\d+\.\d+))?\s?x\b"
+                    rf"|({_NUMBER})(?:\s*-\s*({_NUMBER}))?\s?(?:ms|us|MiB|GiB)\b)")
+#: ``<!-- rows: benchmarks/results/<file>[, ...] -->`` names the rows behind the figures after it, until the
+#: next heading or marker; a heading naming a results file names it for its section, and a block (paragraph,
+#: table, list) naming one is backed by it too. ``<!-- not measured: <why> -->`` before a block: its figures are settings or arithmetic, not results.
+ROWS_MARKER = re.compile(r"<!-- rows: ([^>]*?) -->")
+NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+ -->")
+NAMED_RESULTS = re.compile(r"benchmarks/results/[\w./-]+\.(?:jsonl|json|md|txt)")
+#: Words a block quoting rows from archive/ must carry, or its heading, or the passage after the heading or marker
+#: that opens its part of the page: those rows predate the hot path's rewrites.
+BEFORE_REWRITE = "before the rewrite"
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    where: str
+    text: str
+    values: tuple[str, ...]  # as written: the decimals give the rounding
+    results: tuple[str, ...]  # the results files that back it
+    not_measured: bool = False
+    block: str = ""
+
+
+def quoted_figures(page: Path, text: str | None = None) -> list[Figure]:
+    """Every figure in the prose of ``page`` (code blocks skipped), with the results files named for it."""
+    text = page.read_text() if text is None else text
+    found, section_rows, block_lines, fence, pending_not_measured, heading = [], (), [], False, False, ""
+    introduction = ""  # the first block after a heading or marker: what it says holds for the blocks after it
+    lines = text.splitlines() + [""]
+
+    def close(block_not_measured: bool) -> None:
+        nonlocal introduction
+        block = "\n".join(line for _, line in block_lines)
+        introduction = introduction or block
+        rows = tuple(section_rows) + tuple(NAMED_RESULTS.findall(block))
+        for number, line in block_lines:
+            for match in FIGURE.finditer(re.sub(r"<!--.*?-->", "", line)):
+                if re.search(r"(at most|goal|<=)\s*\(?$", line[:match.start()]):
+                    continue  # a goal ("at most 1.03 x LoRA"), not a measurement
+                values = tuple(value for value in match.groups() if value)
+                found.append(Figure(f"{_shown(page)}:{number}", match.group(0), values, rows, block_not_measured,
+                                    f"{heading}\n{introduction}\n{block}"))
+
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        marker = ROWS_MARKER.search(line)
+        if stripped.startswith("#") or not stripped or marker or NOT_MEASURED.search(line):
+            if block_lines:
+                close(pending_not_measured)
+                block_lines, pending_not_measured = [], False
+            if stripped.startswith("#") or marker:
+                introduction = ""
+            if stripped.startswith("#"):
+                section_rows, heading = tuple(NAMED_RESULTS.findall(stripped)), stripped
+            if marker:
+                section_rows = tuple(name.strip() for name in marker.group(1).split(","))
+            pending_not_measured = bool(NOT_MEASURED.search(line))
+            continue
+        if block_lines and re.match(r"(-|\*|\d+\.) ", stripped):  # a list item is a block of its own
+            close(pending_not_measured)
+            block_lines = []
+        block_lines.append((number, line))
+    return found
+
+
+def _numbers(value, key: str = "") -> list[tuple[str, float]]:
+    """(key, number) for every number in a row, lists and nested objects included."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [(key, float(value))]
+    if isinstance(value, dict):
+        return [found for name, item in value.items() for found in _numbers(item, f"{key}.{name}")]
+    if isinstance(value, list):
+        return [found for item in value for found in _numbers(item, f"{key}[]")]
+    return []
+
+
+#: The measures the pages compare between rows of one invocation (a ratio or a difference of two rows' values).
+COMPARED = {"median_ms", "p50_ms", "host_p50_ms", "tokens_per_s", "peak_memory_gib", "parameter_gib", "ms_per_token"}
+
+
+def backing_values(name: str) -> set[float]:
+    """The numbers a results file backs: every number in its rows, and the ratio and difference of two numbers
+    under the same key in rows of one invocation (the same run id; for rows stored before run ids, the same
+    commit that stored them, else the same time), as the pages compare rows timed side by side. A Markdown
+    results file backs the numbers in its text."""
+    path = ROOT / name
+    if not path.is_file():
+        raise AssertionError(f"{name} is named as the rows behind a figure, but there is no such file")
+    if path.suffix in (".md", ".txt"):  # a table or a profile: the numbers in its text
+        return {float(number.replace(",", "")) for number in re.findall(r"\d[\d,]*(?:\.\d+)?", path.read_text())}
+    rows = ([json.loads(path.read_text())] if path.suffix == ".json" else
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    values: set[float] = set()
+    by_key: dict[tuple, list[float]] = {}
+    for row in rows:
+        invocation = row.get("run_id") or row.get("commit_added") or row.get("time")
+        for key, number in _numbers(row):
+            values.add(number)
+            if key.lstrip(".") in COMPARED:
+                by_key.setdefault((invocation, key), []).append(number)
+    for numbers in by_key.values():
+        for a in numbers:
+            for b in numbers:
+                if b:
+                    values.add(a / b)
+                values.add(abs(a - b))
+    return values
+
+
+def _within_rounding(written: str, values: set[float]) -> bool:
+    decimals = len(written.partition(".")[2])
+    target, half_unit = float(written.replace(",", "")), 0.5 * 10 ** -decimals
+    return any(abs(value - target) <= half_unit * (1 + 1e-9) for value in values)
+
+
+def unbacked_figures(figures: list[Figure]) -> list[str]:
+    """What is wrong with each figure that no row backs: no results file named, a value none of them gives
+    within its rounding, or archived rows quoted without saying they predate the rewrite."""
+    problems, cache = [], {}
+    for figure in figures:
+        if figure.not_measured:
+            continue
+        if not figure.results:
+            problems.append(f"{figure.where}: {figure.text!r} names no results file (add <!-- rows: "
+                            f"benchmarks/results/... --> before it, or drop the figure)")
+            continue
+        values = set().union(*(cache.setdefault(name, backing_values(name)) for name in figure.results))
+        missing = [value for value in figure.values if not _within_rounding(value, values)]
+        if missing:
+            problems.append(f"{figure.where}: {figure.text!r}: no row of {', '.join(figure.results)} gives "
+                            f"{', '.join(missing)} within its rounding")
+        if any("/archive/" in name for name in figure.results) and BEFORE_REWRITE not in " ".join(figure.block.split()):
+            problems.append(f"{figure.where}: {figure.text!r} quotes rows in archive/ without saying they were "
+                            f"measured {BEFORE_REWRITE}")
+    return problems
+
+
+#: Pages whose figures are not checked yet, and why (remove an entry when its page carries row markers).
+FIGURES_UNCHECKED = {
+    "docs/fast_path.md": "its call counts are re-measured by the calls benchmark's part of issue 30, which edits "
+                         "that page; its figures are counts, backed by benchmarks/results/calls-cpu.jsonl",
+}
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if _shown(page) not in FIGURES_UNCHECKED], ids=_shown)
+def test_every_quoted_figure_is_backed_by_a_row(page):
+    problems = unbacked_figures(quoted_figures(page))
+    assert not problems, "figures no row in benchmarks/results backs:\n" + "\n".join(problems)
+
+
+def test_an_unbacked_figure_is_refused(tmp_path):
+    """A page quoting a figure its rows do not give, or naming no rows, or quoting archived rows as current,
+    fails; the same page with figures the rows give passes. The rows: LoRA 20.0 ms and ReFT 26.4 ms in one run,
+    so 1.32 x (26.4 / 20.0) is backed and 1.40 x is not."""
+    rows = tmp_path / "benchmarks-results-speed.jsonl"
+    rows.write_text("".join(json.dumps({"run_id": "r1", "provider": provider, "median_ms": median}) + "\n"
+                            for provider, median in (("peft-lora", 20.0), ("pyvene_dist", 26.4))))
+    page = f"# Speed\n\n<!-- rows: {rows} -->\nA ReFT step takes 26.4 ms, 1.32 x the LoRA step (20 ms).\n"
+
+    def problems(text: str) -> list[str]:
+        return unbacked_figures(quoted_figures(Path("fake.md"), text))
+
+    assert problems(page) == []
+    assert [problem.split(": ", 1)[1] for problem in problems(page.replace("1.32 x", "1.40 x"))] == [
+        f"'1.40 x': no row of {rows} gives 1.40 within its rounding"]
+    assert len(problems(page.replace("26.4 ms", "21.5 ms"))) == 1
+    unnamed = "# Speed\n\nThe step takes 21.5 ms, 1.02 x LoRA's, at 6.62 GiB.\n"
+    assert [problem.split("'")[1] for problem in problems(unnamed)] == ["21.5 ms", "1.02 x", "6.62 GiB"]
+    assert all("names no results file" in problem for problem in problems(unnamed))
+    archived = f"<!-- rows: {rows} -->\n" + "Peak 26.4 ms.\n"
+    assert problems(archived.replace(str(rows), "benchmarks/results/archive/checkpointing-1xH200.jsonl").replace(
+        "26.4 ms", "6.62 GiB"))[0].endswith(f"without saying they were measured {BEFORE_REWRITE}")
+    assert problems("<!-- rows: benchmarks/results/archive/checkpointing-1xH200.jsonl -->\n"
+                    f"Measured {BEFORE_REWRITE}: peak 6.62 GiB.\n") == []
+    not_figures = "```\nstep 21.5 ms\n```\n\n2 x H200, 8 x 512 tokens, 4.8e-07.\n\n<!-- not measured: a setting -->\nA 2 GiB bucket.\n"
+    assert problems(not_figures) == []
+    assert problems(not_figures.replace("<!-- not measured: a setting -->\n", "")) != []
+
+
+def test_every_row_says_where_it_came_from():
+    """Every row in benchmarks/results carries its commit, date, machine, versions and run id; rows in archive/
+    carry no measured commit (none was recorded) but say they predate the rewrite and which commit stored them."""
+    for path in sorted(RESULTS.rglob("*.json*")):
+        if "gpu-tests" in path.parts:
+            continue
+        rows = ([json.loads(path.read_text())] if path.suffix == ".json" else
+                [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        archived = path.parent.name == "archive"
+        needed = ("time", "gpu", "versions", "before_rewrite", "commit_added") if archived else (
+            "commit", "date", "machine", "versions", "run_id")
+        for number, row in enumerate(rows, start=1):
+            missing = [key for key in needed if not row.get(key) and not (key == "date" and row.get("time"))]
+            assert not missing, f"{path.relative_to(ROOT)} row {number} lacks {missing}"
+    for table in sorted(RESULTS.glob("*.md")):  # a table's run, on one line
+        run = next((line for line in table.read_text().splitlines() if line.startswith("Run: ")), "")
+        assert re.match(r"Run: commit [0-9a-f]{7}.*, \d{4}-\d\d-\d\d, .*(H200|CPU).*torch .*; run id \S+\.$", run), (
+            f"{table.relative_to(ROOT)} has no line 'Run: commit <sha>, <date>, <machine>, <versions>; run id <id>.'")
