@@ -282,3 +282,14 @@ def test_zero3_loads_the_checkpoint_partitioned(checkpoint, tmp_path):
     for name, shape in sizes.items():
         assert state[name] == {"ds_id": True, "ds_status": "ZeroParamStatus.NOT_AVAILABLE", "numel": 0,
                                "ds_numel": torch.Size(shape).numel()}, name
+
+
+def test_ray_train_torch_trainer_matches_one_process(tmp_path):
+    """Ray Train's TorchTrainer as the launcher (a local Ray cluster on CPU, 2 workers, the gloo group Ray sets
+    up): pyreft's ReftTrainer in each worker, patched there, trains as one process does."""
+    pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'pyvene_dist[ray]')")
+    single = launch(tmp_path, 1, "--trainer", "ReftTrainer")
+    on_ray = run_launcher(tmp_path, [str(SCRIPTS / "train_with_ray.py")], ("--workers", "2"))
+    print("ReftTrainer losses, 1 process:    ", single.losses, "\n                  2 Ray workers:", on_ray.losses)
+    assert len(on_ray.losses) == ParityCase().steps
+    assert_parity(single, on_ray, ParityCase().tolerance)
