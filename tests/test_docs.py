@@ -639,7 +639,7 @@ def quoted_figures(page: Path, text: str | None = None) -> list[Figure]:
             continue
         if block_lines and re.match(r"(-|\*|\d+\.) ", stripped):  # a list item is a block of its own
             close(pending_not_measured)
-            block_lines = []
+            block_lines, pending_not_measured = [], False
         block_lines.append((number, line))
     return found
 
@@ -661,6 +661,13 @@ def _numbers(value, key: str = "") -> list[tuple[str, float]]:
 COMPARED = {"median_ms", "p50_ms", "host_p50_ms", "tokens_per_s", "peak_memory_gib", "parameter_gib", "ms_per_token"}
 
 
+def _rows(path: Path) -> list[dict]:
+    """The rows of a results file: a JSON file is one row, a JSONL file one a line."""
+    if path.suffix == ".json":
+        return [json.loads(path.read_text())]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def backing_values(name: str) -> set[float]:
     """The numbers a results file backs: every number in its rows, and the ratio and difference of two numbers
     under the same key in rows of one invocation (the same run id; for rows stored before run ids, the same
@@ -671,8 +678,7 @@ def backing_values(name: str) -> set[float]:
         raise AssertionError(f"{name} is named as the rows behind a figure, but there is no such file")
     if path.suffix in (".md", ".txt"):  # a table or a profile: the numbers in its text
         return {float(number.replace(",", "")) for number in re.findall(r"\d[\d,]*(?:\.\d+)?", path.read_text())}
-    rows = ([json.loads(path.read_text())] if path.suffix == ".json" else
-            [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    rows = _rows(path)
     values: set[float] = set()
     by_key: dict[tuple, list[float]] = {}
     for row in rows:
@@ -766,8 +772,7 @@ def test_every_row_says_where_it_came_from():
     for path in sorted(RESULTS.rglob("*.json*")):
         if "gpu-tests" in path.parts:
             continue
-        rows = ([json.loads(path.read_text())] if path.suffix == ".json" else
-                [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        rows = _rows(path)
         archived = path.parent.name == "archive"
         needed = ("time", "gpu", "versions", "before_rewrite", "commit_added") if archived else (
             "commit", "date", "machine", "versions", "run_id")
