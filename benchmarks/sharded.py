@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
 import tempfile
 import traceback
-import types
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ import common  # noqa: E402
 
 def rank_main(options: dict, out: str) -> None:
     import pyvene_dist
+    from pyvene_dist.testing import ParityCase
 
     pyvene_dist.patch()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -46,7 +47,10 @@ def rank_main(options: dict, out: str) -> None:
     locations = common.edge_locations(batch=options["batch"], seq_len=options["seq_len"],
                                       positions=options["positions"], interventions=len(layers), device=device)
     batch = common.reft_batch(ids, locations)
-    case = types.SimpleNamespace(batch_size=options["batch"], torch_dtype=dtype)  # what DeepSpeed.prepare reads
+    # What the strategies' prepare() reads (the models are the benchmark's own): one micro-batch of the benchmark's
+    # size per step, its dtype, and the optimizer's settings below.
+    case = ParityCase(batch_size=options["batch"], dtype=str(dtype).removeprefix("torch."), accumulation=1,
+                      lr=1e-4, weight_decay=0.0)
     rows = []
     for name in options["strategies"]:
         try:
@@ -74,12 +78,11 @@ def _measure(name, base, layers, ids, batch, case, options, device, dtype) -> li
         strategy = STRATEGIES[name](device)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if name.startswith("zero"):
-            engine, optimizer = strategy.prepare(model, torch.optim.AdamW(trainable, lr=1e-4), case)
-            hooks = dict(call=engine, backward=strategy.backward, step=lambda s=strategy: s.step(None))
-        else:  # FSDP2: the optimizer takes the sharded parameters
-            strategy.prepare(model, None, case)
-            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                          weight_decay=0.0)
+            engine, optimizer = strategy.prepare(model, torch.optim.AdamW(trainable, lr=case.lr), case)
+            step = functools.partial(strategy.step, optimizer, engine)  # the engine's boundary step
+            hooks = dict(call=engine, backward=strategy.backward, step=step)
+        else:  # FSDP2: prepare makes the optimizer again, over the sharded parameters
+            _, optimizer = strategy.prepare(model, None, case)
             hooks = dict(call=model, optimizer=optimizer)
         if provider == "pyvene_dist":
             steps[provider] = common.reft_step(reft, batch, hooks.get("optimizer"), call=hooks["call"],

@@ -239,7 +239,7 @@ def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch
     walked = _counting_walks(monkeypatch)
     parity_case = ParityCase()
     model = parity_case.build()
-    first, second = parity_case.batches(2)
+    first, second = parity_case.batches()[:2]
     unsharded = _forward(model, first)[1].logits
     fully_shard_model(model)
     sharded = _forward(model, first)[1].logits

@@ -14,7 +14,8 @@ parametrization, first called in DataParallel's threads.
 - ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
   pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
   the hook dicts of the modules pyvene hooks (hooks present before stay; new ones stay its own; every
-  module's without ``fixes.hooks``, as pyvene then pops every hook after each forward),
+  module's where neither ``fixes.hooks`` nor a pyvene carrying it removes pyvene's hooks only, as pyvene
+  then pops every hook after each forward),
   ``intervention_hooks`` bound to its own modules, fresh pyvene state, and its device. LoReFT's Householder product is initialised
   once per device from the calling thread.
 - ``BaseModel.get_device``: a replica answers its device (its weights are plain tensors, so
@@ -137,7 +138,7 @@ def _make_independent(replica, original, device: torch.device) -> None:
              for key, name in state.hooked_module_names.items()}
     # pyvene registers its hooks on the hooked modules only; unless fixes.hooks removes just those, it pops
     # every hook of every module after each forward, which in a shared dict would be the original's.
-    changed = (register.__self__ for register in hooks.values()) if hooks_fix_applied() else replica.modules()
+    changed = (register.__self__ for register in hooks.values()) if removes_only_its_hooks() else replica.modules()
     for module in changed:
         for name in _HOOK_DICTS:
             module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
@@ -162,10 +163,12 @@ def _warm_householder(model, device: torch.device) -> None:
         warmed.add(device)
 
 
-def hooks_fix_applied() -> bool:
-    from . import hooks
+def removes_only_its_hooks() -> bool:
+    """Whether pyvene removes only the hooks it registered: ``fixes.hooks`` is applied, or the pyvene imported
+    carries it (``hooks`` in ``pyvene.FIXES``; ``patch()`` then leaves it off)."""
+    from . import carried_fixes, hooks
 
-    return hooks.FIX.name in REGISTRY.applied
+    return hooks.FIX.name in REGISTRY.applied or hooks.FIX.name in (carried_fixes("pyvene") or ())
 
 
 def _arguments(args, kwargs, *names):

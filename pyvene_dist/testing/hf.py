@@ -140,17 +140,27 @@ def train_with_trainer(
 
 
 def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
-    """Train ``case`` with ``accelerator.prepare(model, optimizer, dataloader)``, as accelerate's docs do.
+    """Train ``case`` as accelerate's docs do: ``accelerator.prepare(model, optimizer, dataloader)``, one
+    forward and backward per ``accelerator.accumulate(model)``, ``case.accumulation`` micro-batches a step.
 
-    Without an ``accelerator``, ``Accelerator()`` reads its settings from ``accelerate launch``.
-    Each process loads ``batch_size / num_processes`` examples per step; accelerate shards the loader.
+    Without an ``accelerator``, ``Accelerator(gradient_accumulation_steps=case.accumulation)``, its other
+    settings from ``accelerate launch``; one given must accumulate as many micro-batches as ``case``.
+    Each process loads ``batch_size / num_processes`` examples per micro-batch; accelerate shards the loader.
+
+    pyvene's loss is the micro-batch's mean over this process's labels, and ``accumulate`` divides it by
+    the accumulation steps while DDP averages the ranks: a mean of means, not the step's mean when
+    micro-batches hold different numbers of labels. As accelerate's guide to accumulating samples of
+    variable size says, each micro-batch's summed loss (its mean times its labels) is divided by the labels
+    of the whole step, counted on every process before the step's first forward, times the accumulation
+    steps and the processes that the division and the average undo. The recorded loss is the step's mean.
     """
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
     from ..optim import param_groups
 
-    accelerator = accelerator or Accelerator()
+    accelerator = accelerator or Accelerator(gradient_accumulation_steps=case.accumulation)
+    _check_accumulation(accelerator, case)
     if case.batch_size % accelerator.num_processes:
         raise ValueError(f"batch_size {case.batch_size} does not split over {accelerator.num_processes} processes")
     model = case.build()
@@ -158,20 +168,40 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
     loader = DataLoader(examples(case), batch_size=case.batch_size // accelerator.num_processes)
     wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    _check_accumulation(accelerator, case)  # a DeepSpeed config's own gradient_accumulation_steps wins in prepare
     # accelerate's DeepSpeed backward also steps the engine: no gradient is left to read after it.
     record_grads = accelerator.distributed_type != "DEEPSPEED"
+    scale = case.accumulation * accelerator.num_processes
     losses, grads = [], []
-    for inputs in loader:
-        _, outputs = wrapped(
-            {"input_ids": inputs["input_ids"]},
-            unit_locations={"sources->base": (None, inputs["intervention_locations"].permute(1, 0, 2).tolist())},
-            labels=inputs["labels"],
-        )
-        accelerator.backward(outputs.loss)
-        losses.append(accelerator.reduce(outputs.loss.detach(), "mean").item())
-        if record_grads:
-            grads.append(intervention_grads(model))
-        optimizer.step()
-        optimizer.zero_grad()
+    # The whole loader is read first, so that each step's labels are counted on every process before its first
+    # forward. (accelerate's guide reads one step ahead; reading the last step ahead ends accumulate()'s step at
+    # the loader's end, after that step's first micro-batch.)
+    for micro_batches in case.steps_of(list(loader)):
+        labels = accelerator.reduce(torch.tensor(case.labels_in(micro_batches), device=accelerator.device), "sum")
+        step_loss = torch.zeros((), device=accelerator.device)
+        for inputs in micro_batches:
+            with accelerator.accumulate(wrapped):
+                locations = inputs["intervention_locations"].permute(1, 0, 2).tolist()
+                _, outputs = wrapped(
+                    {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+                    unit_locations={"sources->base": (None, locations)},
+                    labels=inputs["labels"],
+                )
+                loss = outputs.loss * case.labels_in([inputs]) / labels
+                accelerator.backward(loss * scale)
+                step_loss += loss.detach()
+                if record_grads and accelerator.sync_gradients:
+                    grads.append(intervention_grads(model))
+                optimizer.step()
+                optimizer.zero_grad()
+        losses.append(accelerator.reduce(step_loss, "sum").item())
     weights = intervention_weights(model)
     return Record("accelerate", accelerator.num_processes, losses, grads, weights)
+
+
+def _check_accumulation(accelerator, case: ParityCase) -> None:
+    if accelerator.gradient_accumulation_steps != case.accumulation:
+        raise ValueError(f"the accelerator accumulates gradient_accumulation_steps="
+                         f"{accelerator.gradient_accumulation_steps} micro-batches, the case accumulation="
+                         f"{case.accumulation}: make it with Accelerator(gradient_accumulation_steps="
+                         f"{case.accumulation})")
