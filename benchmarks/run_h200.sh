@@ -6,8 +6,9 @@
 # The one-GPU parts of speed round two (issue 22) run on nvidia-h200, in two commands of under 9 minutes:
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh sharded compiled
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh large-7b generation-stock generation
-# (`all-new` runs the five in turn, for a machine held longer.) Rows carry PYVENE_DIST_COMMIT: the device's
-# copy of the tree has no .git.
+# (`all-new` runs the five in turn, for a machine held longer.) Issue 28's figures, in one command:
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-both compiled sharded-9 overhead
+# Rows carry PYVENE_DIST_COMMIT: the device's copy of the tree has no .git.
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
 # One run id for every row this invocation writes, whichever part and script writes it (benchmarks/common.py)
@@ -54,6 +55,12 @@ for part in "$@"; do
         python3 benchmarks/overhead.py --model llama-2-7b --checkpointing --batch "$1" --seq-len "$2" --no-stock \
           --steps 10 --rounds 5 --warmup 2 --out "$OUT/large-7b.jsonl" --profile "$OUT/large-7b-profile.txt"
       done ;;
+    generation-both)  # issue 28's setting: 256 new tokens, both providers and the bare model in each round
+      python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 5 \
+        --out "$OUT/generation.jsonl" ;;
+    sharded-9)  # issue 28's setting: FSDP2 and ZeRO-3 at world 1, the median of 9 rounds
+      python3 benchmarks/sharded.py --steps 10 --rounds 9 --warmup 3 --out "$OUT/sharded.jsonl" \
+        --profile "$OUT/sharded-profile.txt" ;;
     generation-stock)  # every-token interventions, 1,024 new tokens, KV cache: stock pyvene beside the bare model
       python3 benchmarks/generation.py --providers pyvene --new-tokens 1024 --rounds 5 \
         --out "$OUT/generation.jsonl" ;;
