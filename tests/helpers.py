@@ -57,7 +57,8 @@ def patch_upstream(folder: Path) -> None:
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
     base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
-    if sorted(touched) != sorted([*base_model, *tensor_parallel]):
+    fast_path = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in ("forward", "generate")]
+    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path]):
         raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 
