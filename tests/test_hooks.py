@@ -15,7 +15,15 @@ def _inputs():
 
 
 def _hook_counts(model):
-    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.model.modules()]
+    """Hooks per module, less those of the model's plan (fixes.fast_path): registered once, one per intervention,
+    idle outside its calls."""
+    from pyvene_dist._registry import REGISTRY
+
+    state = REGISTRY.models.get(model)
+    plan = state.plan if state is not None else None
+    planned = {handle.id for handle in plan.handles} if plan is not None else set()
+    assert len(planned) in (0, len(model.interventions))
+    return [(len(m._forward_hooks.keys() - planned), len(m._forward_pre_hooks)) for m in model.model.modules()]
 
 
 def test_foreign_hooks_survive_a_forward(patched):
