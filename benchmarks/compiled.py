@@ -21,7 +21,9 @@ model for ``--parity-steps`` steps on the same batch and saves their losses and 
 (``tests/test_benchmarks.py`` compares them). ``--profile FILE``: top operators of each step by host and
 device time. On CPU the backend is ``aot_eager`` (inductor's C++ compile of the backward takes minutes
 there); on a GPU ``inductor``. Inside compiled frames dynamo traces pyvene's own code, not pyvene_dist's
-``wrapt`` wraps (docs/benchmarks.md says what that means).
+``wrapt`` wraps (docs/benchmarks.md says what that means), except ``fixes.fast_path``'s entries, which are
+plain functions: ``torch.compile(reft)`` with pyreft's collated locations traces the plan, one graph without
+breaks in the intervention path (docs/fast_path.md).
 """
 
 from __future__ import annotations

@@ -24,13 +24,16 @@ def patch(
     only: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
     cuda_graphs: bool | None = None,
+    fast_path: bool | None = None,
     allow_unsupported: bool | None = None,
 ) -> None:
     """Apply the fixes (``pyvene_dist.fixes``). A second call changes nothing until ``unpatch()``.
 
     ``only``: these fixes and those they require; ``exclude``: every fix but these (an error if a fix
     applied requires one). ``cuda_graphs=False`` keeps LoReFT's rotation eager on CUDA (default: the
-    ``PYVENE_DIST_CUDA_GRAPHS`` environment variable, else on). Fixes that pyvene's and pyreft's
+    ``PYVENE_DIST_CUDA_GRAPHS`` environment variable, else on). ``fast_path=False`` runs every forward
+    and generate through pyvene's general path (default: ``PYVENE_DIST_FAST_PATH``, else on; see
+    docs/fast_path.md). Fixes that pyvene's and pyreft's
     ``FIXES`` report carrying are left out.
 
     Raises ``UnsupportedVersionError`` when pyvene, pyreft, transformers or torch is outside the
@@ -43,10 +46,12 @@ def patch(
 
     if REGISTRY.active:
         return
-    if cuda_graphs not in (None, True, False):
-        raise TypeError(f"cuda_graphs={cuda_graphs!r}: expected True, False or None")
+    for name, value in (("cuda_graphs", cuda_graphs), ("fast_path", fast_path)):
+        if value not in (None, True, False):
+            raise TypeError(f"{name}={value!r}: expected True, False or None")
     fixes = select(only, exclude)
-    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=_cuda_graphs(cuda_graphs))
+    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=_cuda_graphs(cuda_graphs),
+                      fast_path=_switch(fast_path, "PYVENE_DIST_FAST_PATH", "0 (pyvene's general path) or 1"))
     _versions.check(fixes, options.allow_unsupported)
     REGISTRY.options = options
     try:
@@ -60,13 +65,18 @@ def patch(
 
 def _cuda_graphs(cuda_graphs: bool | None) -> bool:
     """``patch()``'s ``cuda_graphs``, else ``PYVENE_DIST_CUDA_GRAPHS`` (0 or 1), else on."""
+    return _switch(cuda_graphs, "PYVENE_DIST_CUDA_GRAPHS", "0 (eager rotation) or 1 (CUDA graphs)")
+
+
+def _switch(value: bool | None, variable: str, expected: str) -> bool:
+    """``value``, else the environment ``variable`` (0 or 1), else on."""
     import os
 
-    if cuda_graphs is not None:
-        return cuda_graphs
-    switch = os.environ.get("PYVENE_DIST_CUDA_GRAPHS", "1")
+    if value is not None:
+        return value
+    switch = os.environ.get(variable, "1")
     if switch not in ("0", "1"):
-        raise ValueError(f"PYVENE_DIST_CUDA_GRAPHS={switch!r}: expected 0 (eager rotation) or 1 (CUDA graphs)")
+        raise ValueError(f"{variable}={switch!r}: expected {expected}")
     return switch == "1"
 
 

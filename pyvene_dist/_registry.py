@@ -28,6 +28,7 @@ import importlib
 import inspect
 import sys
 import textwrap
+import types
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -40,7 +41,7 @@ _MISSING = object()
 #: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and
 #: ``transformers.trainer`` is slow to import.
 IMPORTED_LATER = ("pyreft", "transformers.trainer")
-KINDS = ("wrap", "replace", "add")
+KINDS = ("wrap", "replace", "add", "entry")
 
 
 class FixError(RuntimeError):
@@ -55,6 +56,8 @@ class Options:
     allow_unsupported: bool = False
     #: ``orthogonal``'s CUDA graphs; ``patch()`` resolves None from PYVENE_DIST_CUDA_GRAPHS.
     cuda_graphs: bool | None = None
+    #: ``fast_path``'s switch; ``patch()`` resolves None from PYVENE_DIST_FAST_PATH.
+    fast_path: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,10 @@ class Site:
     ``kind`` says how: ``wrap`` puts a ``wrapt.FunctionWrapper`` calling ``wrapper`` around the original
     (which the wrapper calls); ``replace`` does the same with a wrapper that never calls the original,
     so the original's source must be the one the replacement was written from (``fingerprint``, checked
-    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value).
+    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value); ``entry``
+    puts a plain function in place of what the owner holds now (another fix's wrap, or the original):
+    ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
+    traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
     ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
     """
 
@@ -110,6 +116,9 @@ class Fix:
     sites: tuple[Site, ...]
     #: Fixes whose runtime code or behaviour this one is built on: applied with it, before it.
     requires: tuple[str, ...] = ()
+    #: Fixes this one is applied after when they are applied too, without pulling them in (an ``entry``
+    #: site stacks on the wraps of the same attribute).
+    after: tuple[str, ...] = ()
     #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
     #: empty for a runtime-only fix (docs/upstreaming.md says why each is).
     upstream: tuple[str, ...] = ()
@@ -121,7 +130,7 @@ class Fix:
     #: (hooks they registered, graphs they captured).
     on_unpatch: Callable[[], None] | str | None = None
 
-    @property
+    @functools.cached_property  # read on hot paths (``FIX.name in REGISTRY.applied``)
     def name(self) -> str:
         return self.module.rsplit(".", 1)[-1]
 
@@ -157,6 +166,9 @@ def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", option
         owner = site.owner(module)
         if site.kind == "add":
             registry.add(owner, site.attribute, fix.resolve(site.wrapper))
+            continue
+        if site.kind == "entry":
+            registry.enter(owner, site.attribute, fix.resolve(site.wrapper))
             continue
         if site.kind == "replace" and registry.find(owner, site.attribute) is None:
             _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
@@ -207,6 +219,11 @@ class Wrap:
     @property
     def name(self) -> str:
         return f"{describe(self.owner)}.{self.attribute}"
+
+
+def is_entry(value: Any) -> bool:
+    """Whether ``value`` is a function a ``Site`` of kind ``entry`` put in place (``Registry.enter``)."""
+    return getattr(value, "__pyvene_dist_entry__", False) is True
 
 
 class _BoundMethodWrapper(wrapt.BoundFunctionWrapper):
@@ -264,6 +281,9 @@ class Registry:
 
         A second wrapper for the same attribute is refused: it would be skipped silently otherwise."""
         existing = self.find(owner, attribute)
+        if existing is not None and is_entry(existing.proxy):
+            raise FixError(f"{existing.name} holds an entry function already ({existing.proxy.__qualname__}); a wrap "
+                           f"({wrapper.__qualname__}) must be applied before it: name the fix in the entry's `after`")
         if existing is not None:
             if getattr(existing.proxy, "_self_wrapper", wrapper) is not wrapper:
                 raise FixError(f"{existing.name} is wrapped already by {existing.proxy._self_wrapper.__qualname__}; "
@@ -278,6 +298,23 @@ class Registry:
         proxy = _MethodWrapper(original, wrapper)
         setattr(owner, attribute, proxy)
         self._sites.append(Wrap(owner, attribute, original, proxy))
+
+    def enter(self, owner: Any, attribute: str, make_entry: Callable[[Any], Callable]) -> None:
+        """Put the plain function ``make_entry(current)`` in place of ``owner.attribute`` (``Site`` kind
+        ``entry``), once: ``current`` is what the owner holds now, possibly another fix's wrap."""
+        current = vars(owner).get(attribute, _MISSING)
+        if is_entry(current):
+            return
+        if current is _MISSING:
+            raise AttributeError(f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
+                                 "that defines it. The installed version differs from the one this patch was written for.")
+        entry = make_entry(current)
+        if not isinstance(entry, types.FunctionType):
+            raise TypeError(f"the entry for {describe(owner)}.{attribute} is {entry!r}, expected a plain function")
+        functools.update_wrapper(entry, getattr(current, "__wrapped__", current))
+        entry.__wrapped__, entry.__pyvene_dist_entry__ = current, True  # inspect.signature follows __wrapped__
+        setattr(owner, attribute, entry)
+        self._sites.append(Wrap(owner, attribute, current, entry))
 
     def add(self, owner: Any, attribute: str, value: Any) -> None:
         """Give ``owner`` an attribute it does not define (``unpatch()`` deletes it again)."""
@@ -328,7 +365,11 @@ class Registry:
     def restore_all(self) -> None:
         """Put back every original, newest first, and close every model's state (the hooks the fixes
         registered on live objects go with it). Refuses (changing nothing) if a site was replaced."""
-        replaced = [site.name for site in self._sites if vars(site.owner).get(site.attribute) is not site.proxy]
+        expected: dict[tuple[int, str], Any] = {}  # what each attribute holds: its last site's proxy
+        for site in self._sites:
+            expected[id(site.owner), site.attribute] = site.proxy
+        replaced = sorted({site.name for site in self._sites
+                           if vars(site.owner).get(site.attribute) is not expected[id(site.owner), site.attribute]})
         if replaced:
             raise RuntimeError(
                 f"cannot unpatch {', '.join(replaced)}: replaced by someone else after pyvene_dist wrapped it; "

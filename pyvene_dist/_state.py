@@ -52,6 +52,8 @@ class ModelState:
     #: ``orthogonal``: each torch orthogonal parametrization adopted for this model -> torch's class, which
     #: it is given back at close (its class is ``ReftOrthogonal`` while patched).
     rotations: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    #: ``fast_path``: the plan its calls run on (``fast_path.Plan``; its hooks are removed at close).
+    plan: Any = None
     #: ``orthogonal``: rotation -> its captured CUDA graphs (and their memory pool).
     graphs: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
 
@@ -61,6 +63,9 @@ class ModelState:
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
+        if self.plan is not None:
+            self.plan.remove()
+        self.plan = None
         for kept in [self.kept, *self.pending]:  # hooks.Kept, then checkpointing.Forward objects
             if kept is not None:
                 kept.remove()

@@ -57,7 +57,8 @@ def patch_upstream(folder: Path) -> None:
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
     base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
-    if sorted(touched) != sorted([*base_model, *tensor_parallel]):
+    fast_path = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in ("forward", "generate")]
+    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path]):
         raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 
@@ -84,3 +85,15 @@ def use_libaio() -> None:
         os.environ[variable] = os.pathsep.join(filter(None, [str(folder), os.environ.get(variable)]))
     # The loader reads LD_LIBRARY_PATH at start only: load libaio now, and the op's library finds it loaded.
     ctypes.CDLL(str(found[0]), mode=ctypes.RTLD_GLOBAL)
+
+
+def hook_counts(model) -> list[tuple[int, int]]:
+    """(forward hooks, pre-hooks) of each module of ``model``'s base model, less the hooks of its plan
+    (``fixes.fast_path``): registered once, one per intervention, idle outside the plan's calls."""
+    from pyvene_dist._registry import REGISTRY
+
+    state = REGISTRY.models.get(model)
+    plan = state.plan if state is not None else None
+    planned = {handle.id for handle in plan.handles} if plan is not None else set()
+    assert len(planned) in (0, len(model.interventions)), f"{len(planned)} plan hooks for {len(model.interventions)}"
+    return [(len(m._forward_hooks.keys() - planned), len(m._forward_pre_hooks)) for m in model.model.modules()]

@@ -16,10 +16,6 @@ MODES = ["reentrant", "non-reentrant"]
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.2x renames gradient_* to activation_*
 
 
-def hook_counts(model):
-    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.model.modules()]
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_checkpointed_training_equals_plain_training(patched, component, mode):
@@ -40,22 +36,22 @@ def test_gpt2_components_inside_the_layer(patched, model):
 def test_hooks_are_gone_after_backward_and_after_no_grad(patched):
     model = ParityCase(component="mlp_output", checkpointing="non-reentrant").build()
     model.train()
-    baseline = hook_counts(model)
+    baseline = helpers.hook_counts(model)
     batch = ParityCase().batches()[0]
     arguments = dict(base={"input_ids": batch["input_ids"]},
                      unit_locations={"sources->base": (None, batch["locations"].tolist())}, labels=batch["labels"])
     loss = model(**arguments)[1].loss
-    assert hook_counts(model) != baseline  # kept for the recomputation
+    assert helpers.hook_counts(model) != baseline  # kept for the recomputation
     loss.backward()
-    assert hook_counts(model) == baseline
+    assert helpers.hook_counts(model) == baseline
     with torch.no_grad():
         model(**arguments)
-    assert hook_counts(model) == baseline
+    assert helpers.hook_counts(model) == baseline
     model(**arguments)  # a forward whose backward never comes: its hooks go with its graph
     model.eval()
     with torch.no_grad():
         model(**arguments)
-    assert hook_counts(model) == baseline
+    assert helpers.hook_counts(model) == baseline
 
 
 @pytest.mark.parametrize("component", ["block_output", "block_input"])

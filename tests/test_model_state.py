@@ -33,7 +33,13 @@ def _handles_during_forward(model) -> list:
     return seen
 
 
-def test_the_state_is_found_from_the_model(patched):
+@pytest.fixture
+def general_path(monkeypatch):
+    """pyvene's general path (its hooks registered per forward, which these tests follow), not the plan."""
+    monkeypatch.setenv("PYVENE_DIST_FAST_PATH", "0")
+
+
+def test_the_state_is_found_from_the_model(general_path, patched):
     """pyvene's hook handles are in the model's own state while it runs, and gone from it after."""
     stranger = torch.nn.Linear(2, 2)
     assert REGISTRY.models.get(stranger) is None and REGISTRY.models.get(stranger) is None  # reading creates nothing
@@ -44,7 +50,7 @@ def test_the_state_is_found_from_the_model(patched):
     assert REGISTRY.models.get(model).handles == []
 
 
-def test_two_models_have_separate_states(patched):
+def test_two_models_have_separate_states(general_path, patched):
     """A model's cleanup removes its own handles only, even when another model's forward runs inside."""
     first, second = reft_model(tiny_llama()), reft_model(tiny_llama(seed=1))
     inner = []

@@ -29,7 +29,8 @@ OPTIONAL_PACKAGES = frozenset({"pyreft"})
 
 
 def fixes() -> tuple[Fix, ...]:
-    """Every fix, in the order ``patch()`` applies them: each after those it requires, else by name."""
+    """Every fix, in the order ``patch()`` applies them: each after those it requires or names in ``after``,
+    else by name."""
     found: dict[str, Fix] = {}
     for module in pkgutil.iter_modules(__path__):
         if module.name.startswith("_"):
@@ -55,6 +56,9 @@ def _ordered(found: dict[str, Fix]) -> tuple[Fix, ...]:
         placing.add(name)
         for required in found[name].requires:
             place(required, name)
+        for earlier in found[name].after:
+            if earlier in found:
+                place(earlier, name)
         ordered.append(found[name])
 
     for name in sorted(found):

@@ -34,9 +34,22 @@ def sites():
 
 
 def check_wrapped():
+    from pyvene_dist._registry import is_entry
+
     seen = []
     for site, owner, attribute, kind in sites():
         current = vars(owner).get(attribute)
+        if kind == "entry":  # a plain function in front of what was there (another fix's wrap, or the original)
+            assert is_entry(current) and isinstance(current, types.FunctionType), f"{site} is no entry: {current!r}"
+            inner = current.__wrapped__
+            assert not is_entry(inner), f"{site} has two entries"
+            original = inner.__wrapped__ if isinstance(inner, wrapt.FunctionWrapper) else inner
+            if site in captured:
+                assert original is captured[site], f"{site} stands in front of something other than the original"
+            seen.append(site)
+            continue
+        while is_entry(current):  # a wrap under an entry
+            current = current.__wrapped__
         if kind == "add":  # an attribute pyvene_dist adds rather than wraps
             assert captured.get(site, MISSING) is MISSING, f"{site} existed before patching"
             assert current is not None, f"{site} was not added"

@@ -1,0 +1,414 @@
+"""ReFT at positions runs on a plan built once per model: hooks registered once, enabled per call.
+
+Stock pyvene does, at every ``forward`` (and every ``generate``): clear its state, broadcast and
+check the locations, register one hook per intervention, run the base model, remove the hooks and
+clear its state again; every hook builds its index tensors from nested lists, asks the model for its
+device and computes the slice it writes from an ``arange`` of the hidden size. That is some 1,500
+Python calls per forward of 4 interventions on top of the base model's 2,400 (benchmarks/calls.py),
+and under ``torch.compile`` a graph break at each ``.tolist()`` and at each hook registration.
+
+For the common case (pyreft's interventions at positions, see ``plan_refusal``) the model gets a
+``Plan``, kept in its state and rebuilt when its interventions change: per intervention, the hooked
+module, the hook, registered once on it, the intervention and the slice of the last dimension it
+writes, as Python ints. ``IntervenableModel.forward`` and ``generate`` (plain functions here, so that
+torch.compile traces them: ``Site`` kind ``entry``) turn the locations into one index tensor per
+intervention, set them as the plan's ``call``, run the base model inside one
+``parametrize.cached()`` (each LoReFT rotation built once per forward, or once per ``generate``) and
+clear the call. A hook without a call returns at once: the base model called directly, or a call that
+takes pyvene's general path, is not touched.
+
+A hook does what pyvene's does for ``unit="pos"``, on the same operands in the same order: a
+``torch.gather`` of the positions (from a copy of the output where autograd records, as pyvene
+copies: gather saves its input for backward), the intervention, and the index write of
+``scatter_neurons``; so outputs are bit-identical to stock pyvene's and gradients equal to rounding
+(``fixes.parametrizations`` says why). Every-token generation keeps pyvene's counters: the prompt's
+forward is left alone and position 0 of each later one is intervened on (with ``intervene_on_prompt``
+the reverse). Where pyvene's in-place write would change a tensor autograd saved (``fixes.hooks``),
+the hook writes into a copy; whether it must is asked once per hooked module and shape of the output.
+
+Anything else takes pyvene's (patched) general path: the call or the model names why in
+``plan_refusal``/``call_refusal``, and docs/fast_path.md lists them. ``patch(fast_path=False)`` or
+``PYVENE_DIST_FAST_PATH=0`` sends every call there.
+
+Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from .._registry import REGISTRY, Fix, Site
+
+_BASE = "pyvene.models.intervenable_base"
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_BASE}:IntervenableModel.forward", "_forward_entry", kind="entry"),
+        Site(f"{_BASE}:IntervenableModel.generate", "_generate_entry", kind="entry"),
+    ),
+    # The general path it falls back to is theirs: applied first, their wraps stay under the entries.
+    after=("gradient_checkpointing", "hooks", "locations", "devices", "parametrizations", "tensor_parallel"),
+    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only; a pyvene whose forward or
+    # generate differs from 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
+)
+#: The sources (``_registry.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
+#: do the work of for the plan's calls.
+WRITTEN_FROM = {"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"}
+#: Whether the installed pyvene's are those, found when the entries are made (at ``patch()``).
+_same_source: dict = {}
+
+#: pyreft's interventions, by name (pyreft is imported only where a model holds one).
+REFT_TYPES = ("LoreftIntervention", "NoreftIntervention", "ConsreftIntervention", "LobireftIntervention",
+              "DireftIntervention", "NodireftIntervention")
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One intervention of the plan, in the order pyvene registers its hooks."""
+
+    number: int  # its place in that order (pyvene's per-hook counters of a generate)
+    index: int  # its place in ``sorted_keys``: the locations' intervention axis
+    intervention: Any
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """One forward's (or one generate's) locations, set on the plan while the base model runs."""
+
+    positions: list  # per intervention (``sorted_keys`` order): int64 [batch, positions]
+    use_fast: bool  # pyvene's flag: the write takes row 0 of the positions for the whole batch
+    #: per intervention, on the hooked output's device: the gather's index (the positions expanded over the
+    #: last dimension), the positions of the write, the batch index; made at the hook's first use.
+    indices: list
+    generating: bool = False
+    on_prompt: bool = False
+    counts: list | None = None  # per hook: pyvene's setter counter of a generate
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    interventions: list  # the model's interventions when built: the plan stands while they are the same
+    refusal: str | None  # why the model takes the general path (then nothing else is set)
+    steps: list = dataclasses.field(default_factory=list)
+    handles: list = dataclasses.field(default_factory=list)
+    config_has_use_cache: bool = False
+    call: Call | None = None
+    #: (hook, shape, dtype, device, saved-tensor hooks on) -> whether the hooked output aliases a saved tensor
+    aliasing: dict = dataclasses.field(default_factory=dict)
+    batch_indices: dict = dataclasses.field(default_factory=dict)  # (batch, device) -> arange(batch)[:, None]
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _written_from(name: str, general) -> None:
+    from .._registry import fingerprint
+
+    _same_source[name] = fingerprint(getattr(general, "__wrapped__", general)) == WRITTEN_FROM[name]
+
+
+def _forward_entry(general):
+    _written_from("forward", general)
+    def forward(self, base, sources=None, unit_locations=None, source_representations=None, subspaces=None,
+                labels=None, output_original_output=False, return_dict=None, use_cache=None,
+                intervention_additional_kwargs=None):
+        plan = _plan(self)
+        call = None
+        if plan is not None and sources is None and source_representations is None and subspaces is None \
+                and not intervention_additional_kwargs and not _checkpointing_training(self):
+            call = _call(self, base, unit_locations)
+        if call is None:
+            return _bound(general, self)(
+                base, sources=sources, unit_locations=unit_locations, source_representations=source_representations,
+                subspaces=subspaces, labels=labels, output_original_output=output_original_output,
+                return_dict=return_dict, use_cache=use_cache,
+                intervention_additional_kwargs=intervention_additional_kwargs)
+        if self.full_intervention_outputs:
+            self.full_intervention_outputs.clear()
+        base_outputs = self.model(**base) if output_original_output else None
+        model_kwargs = {}
+        if labels is not None:
+            model_kwargs["labels"] = labels
+        if use_cache is not None and plan.config_has_use_cache:
+            model_kwargs["use_cache"] = use_cache
+        outputs = _run(plan, call, self.model, base, model_kwargs)
+        if return_dict:
+            from pyvene.models.intervenable_base import IntervenableModelOutput
+
+            return IntervenableModelOutput(original_outputs=base_outputs, intervened_outputs=outputs,
+                                           collected_activations=None)
+        return base_outputs, outputs
+
+    return forward
+
+
+def _generate_entry(general):
+    _written_from("generate", general)
+    def generate(self, base, sources=None, unit_locations=None, source_representations=None,
+                 intervene_on_prompt=False, subspaces=None, output_original_output=False,
+                 intervention_additional_kwargs=None, **kwargs):
+        plan = _plan(self)
+        call = None
+        if plan is not None and sources is None and source_representations is None and subspaces is None \
+                and not intervention_additional_kwargs:
+            every_token = not intervene_on_prompt and unit_locations is None  # pyvene's own default
+            call = _call(self, base, {"base": 0} if every_token else unit_locations)
+        if call is None:
+            return _bound(general, self)(
+                base, sources=sources, unit_locations=unit_locations, source_representations=source_representations,
+                intervene_on_prompt=intervene_on_prompt, subspaces=subspaces,
+                output_original_output=output_original_output,
+                intervention_additional_kwargs=intervention_additional_kwargs, **kwargs)
+        call.generating, call.on_prompt, call.counts = True, intervene_on_prompt, [0] * len(plan.steps)
+        base_outputs = self.model.generate(**base, **kwargs) if output_original_output else None
+        return base_outputs, _run(plan, call, self.model.generate, base, kwargs)
+
+    return generate
+
+
+def _bound(general, model):
+    """``general`` (what the entry stands in front of) bound to ``model``. Compiling, the original: dynamo runs
+    a ``wrapt`` wrapper's original anyway, and binding through the wrapper sends it back to the entry."""
+    if torch.compiler.is_compiling():
+        return functools.partial(getattr(general, "__wrapped__", general), model)
+    return general.__get__(model, type(model))
+
+
+def _run(plan: Plan, call: Call, run, base, kwargs):
+    """``run(**base, **kwargs)`` with ``call`` enabled, each parametrized weight computed once in it."""
+    if torch.compiler.is_compiling():  # traced: the graph computes each rotation where it is read
+        plan.call = call
+        try:
+            return run(**base, **kwargs)
+        finally:
+            plan.call = None
+    from .parametrizations import cached_parametrizations
+
+    with cached_parametrizations():
+        plan.call = call
+        try:
+            return run(**base, **kwargs)
+        finally:
+            plan.call = None
+
+
+def _checkpointing_training(model) -> bool:
+    """A training forward of a model that checkpoints: backward's recomputation needs the general path's
+    kept hooks (``fixes.gradient_checkpointing``)."""
+    if not (torch.is_grad_enabled() and model.training):
+        return False
+    from .gradient_checkpointing import checkpoint_functions
+
+    return bool(checkpoint_functions(model.model))
+
+
+# --- the plan ------------------------------------------------------------------------------------------------
+
+def _plan(model) -> Plan | None:
+    """The model's plan, built when its interventions are new; None where it takes the general path."""
+    options = REGISTRY.options
+    if options is None or not options.fast_path or model.__dict__.get("_is_replica"):
+        return None  # a DataParallel replica is a new object per forward: no plan to reuse
+    state = REGISTRY.models.of(model)
+    plan = state.plan
+    if plan is None or plan.interventions != list(model.interventions.values()):
+        if plan is not None:
+            plan.remove()
+        plan = state.plan = _build(model)
+    if plan.refusal is not None:
+        return None
+    if state.dtensor_parameters is None:  # fixes.tensor_parallel's fact, found once
+        from .tensor_parallel import has_dtensor_parameters
+
+        state.dtensor_parameters = has_dtensor_parameters(model.model)
+    return None if state.dtensor_parameters else plan
+
+
+def plan_refusal(model) -> str | None:
+    """Why ``model`` takes pyvene's general path, or None where its calls can take the plan."""
+    from pyvene.models.intervenable_modelcard import type_to_module_mapping
+
+    changed = [name for name in WRITTEN_FROM if not _same_source.get(name)]
+    if changed:
+        return f"the installed pyvene's {' and '.join(changed)} differ from 0.1.8's, which the plan does the work of"
+    if model.mode != "parallel":
+        return f"mode={model.mode!r} (the plan runs pyvene's 'parallel' mode)"
+    if model.as_adaptor or model.return_collect_activations:
+        return "as_adaptor or return_collect_activations is set"
+    if model._intervention_reverse_link:
+        return "interventions are linked (shared subspaces)"
+    if not model.interventions:
+        return "the model has no interventions"
+    reft = sys.modules.get("pyreft.interventions")
+    reft_types = tuple(getattr(reft, name) for name in REFT_TYPES) if reft is not None else ()
+    mapping = type_to_module_mapping.get(model.model_type, {})
+    for key in model.sorted_keys:
+        intervention, representation = model.interventions[key], model.representations[key]
+        if not isinstance(intervention, reft_types):
+            return f"{key}: a {type(intervention).__name__}, not one of pyreft's {', '.join(REFT_TYPES)}"
+        if representation.unit != "pos":
+            return f"{key}: unit {representation.unit!r}, not 'pos'"
+        if getattr(model.intervention_hooks[key], "__name__", None) != "register_forward_hook":
+            return f"{key}: component {representation.component!r} is not a module's output"
+        if len(mapping.get(representation.component, ())) > 2:
+            return f"{key}: component {representation.component!r} is a split of its module's output"
+    return None
+
+
+def _build(model) -> Plan:
+    interventions = list(model.interventions.values())
+    refusal = plan_refusal(model)
+    if refusal is not None:
+        return Plan(interventions, refusal)
+    plan = Plan(interventions, None, config_has_use_cache="use_cache" in model.model.config.to_dict())
+    order = [key for keys in model._intervention_group.values() for key in keys]  # pyvene's registration order
+    for number, key in enumerate(order):
+        step = Step(number, model.sorted_keys.index(key), model.interventions[key])
+        plan.steps.append(step)
+        plan.handles.append(model.intervention_hooks[key](_hook(plan, step), with_kwargs=True))
+    return plan
+
+
+# --- one call's locations ------------------------------------------------------------------------------------
+
+def _call(model, base, unit_locations) -> Call | None:
+    """The call's index tensors, or None where its locations take the general path (a form pyvene broadcasts
+    otherwise, source locations, locations that do not fit: the general path says what is wrong)."""
+    if type(unit_locations) is not dict or len(unit_locations) != 1 or type(base) is not dict or not base:
+        return None
+    (key, value), = unit_locations.items()
+    broadcast = True
+    if key == "sources->base" and isinstance(value, (tuple, list)) and len(value) == 2 and value[0] is None:
+        side = value[1]
+        broadcast = isinstance(side, int)
+    elif key != "base":
+        return None
+    else:
+        side = value
+    # pyvene's _broadcast_unit_locations, the base side of each form it expands (it sets use_fast for them)
+    if isinstance(side, int):
+        rows = [[side]]
+    elif key == "base" and isinstance(side, (list, tuple)) and len(side) == 2 and isinstance(side[1], int) \
+            and (side[0] is None or isinstance(side[0], int)):
+        rows = [[side[1]]]
+    elif key == "base" and isinstance(side, list) and side and all(isinstance(v, int) for v in side):
+        rows = [side]
+    else:
+        rows, broadcast = None, False
+    first = next(iter(base.values()))
+    if not isinstance(first, torch.Tensor) or first.dim() < 1:
+        return None
+    batch = first.shape[0]
+    ids = base.get("input_ids", base.get("inputs_embeds"))
+    length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+    count = len(model.sorted_keys)
+    if broadcast:
+        locations = torch.tensor(rows, dtype=torch.long).expand(count, batch, -1)
+    else:
+        locations = _as_tensor(side, count)
+        if locations is None:
+            return None
+    if locations.dim() != 3 or locations.shape[0] != count or locations.shape[1] not in (1, batch) \
+            or locations.shape[2] == 0:
+        return None
+    if locations.device.type == "cpu" and length is not None and not torch.compiler.is_compiling():
+        low, high = torch.aminmax(locations)
+        if low < 0 or high >= length:  # the general path names the entry and the position
+            return None
+    if locations.shape[1] != batch:  # one row for the whole batch (fixes.locations' repeat_one_row)
+        locations = locations.expand(-1, batch, -1)
+    if broadcast:
+        model.use_fast = True  # as pyvene's broadcast sets it, for this call and every later one
+    locations = locations.to(first.device, non_blocking=True)
+    return Call(positions=locations.unbind(0), use_fast=model.use_fast, indices=[None] * count)
+
+
+def _as_tensor(side, count: int) -> torch.Tensor | None:
+    """The base side's locations, ``[interventions, batch, positions]``: a tensor as given (int64), or lists
+    of equal length made one; None for anything else (ragged, missing entries)."""
+    if isinstance(side, torch.Tensor):
+        return side if side.dtype == torch.long else side.long()
+    if not isinstance(side, (list, tuple)) or len(side) != count:
+        return None
+    try:
+        return torch.tensor(side, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):  # ragged, None entries, or one tensor per intervention
+        pass
+    if not all(isinstance(entry, torch.Tensor) for entry in side) or len({entry.shape for entry in side}) != 1:
+        return None
+    return torch.stack(side).long()
+
+
+# --- the hook ------------------------------------------------------------------------------------------------
+
+def _hook(plan: Plan, step: Step):
+    number, index, intervention = step.number, step.index, step.intervention
+
+    def apply_intervention(module, args, kwargs, output):
+        call = plan.call
+        if call is None:
+            return None
+        if call.generating:  # pyvene's hook_callback: skip the prompt, or all but the prompt
+            is_prompt = call.counts[number] == 0
+            if not call.on_prompt or is_prompt:
+                call.counts[number] += 1
+            if call.on_prompt ^ is_prompt:
+                return None
+        value = output[0] if isinstance(output, tuple) else output
+        indices = call.indices[index]
+        if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
+            indices = call.indices[index] = _indices(plan, call, index, value)
+        gathered, written, batch_index = indices
+        # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
+        selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
+        intervened = intervention(selected, None, None)
+        if value.requires_grad and _aliases_saved(plan, number, value):
+            from .hooks import _copy_first
+
+            output = _copy_first(output, _always)
+            value = output[0] if isinstance(output, tuple) else output
+            value[batch_index, written] = intervened
+            return output
+        value[batch_index, written] = intervened
+        return None
+
+    return apply_intervention
+
+
+def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor) -> tuple:
+    positions = call.positions[index]
+    if positions.device != value.device:  # a layer on another device than the input's (device_map)
+        positions = positions.to(value.device, non_blocking=True)
+    batch = positions.shape[0]
+    batch_index = plan.batch_indices.get((batch, value.device))
+    if batch_index is None:
+        batch_index = plan.batch_indices[batch, value.device] = torch.arange(batch, device=value.device)[:, None]
+    written = positions[0] if call.use_fast else positions  # scatter_neurons' `pos` branch
+    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index
+
+
+def _aliases_saved(plan: Plan, number: int, value: torch.Tensor) -> bool:
+    """``hooks.aliases_saved``, asked once per hook and kind of output: whether a tensor aliases a saved one
+    follows from the operations that made it, fixed by the module, the shape, dtype and device (which pick
+    the kernel) and whether saved-tensor hooks are on (``aliases_saved`` skips what they packed)."""
+    if torch.compiler.is_compiling() or value.grad_fn is None:  # a compiled graph is functional: an in-place
+        return False  # write changes nothing it saved; and where nothing recorded, nothing saved
+    key = (number, value.shape, value.dtype, value.device,
+           torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    found = plan.aliasing.get(key)
+    if found is None:
+        from .hooks import aliases_saved
+
+        found = plan.aliasing[key] = aliases_saved(value)
+    return found
+
+
+def _always(tensor: torch.Tensor) -> bool:
+    return True
