@@ -725,10 +725,7 @@ def unbacked_figures(figures: list[Figure]) -> list[str]:
 
 
 #: Pages whose figures are not checked yet, and why (remove an entry when its page carries row markers).
-FIGURES_UNCHECKED = {
-    "docs/fast_path.md": "its call counts are re-measured by the calls benchmark's part of issue 30, which edits "
-                         "that page; its figures are counts, backed by benchmarks/results/calls-cpu.jsonl",
-}
+FIGURES_UNCHECKED: dict[str, str] = {}  # page -> why its figures are not checked (none today)
 
 
 @pytest.mark.parametrize("page", [page for page in PAGES if _shown(page) not in FIGURES_UNCHECKED], ids=_shown)
