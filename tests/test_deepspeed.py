@@ -224,7 +224,7 @@ def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp
     would raise here after 3 s. Reading LoReFT's rotation must not run ZeRO's module hooks on rank 0 alone
     either: the ranks then trained on out of step, and the next step's gather hung."""
     from pyvene_dist import gather
-    from pyvene_dist.fixes.checkpoints import MODEL_FILE, STATES_FILE
+    from pyvene_dist.fixes.checkpoints import STATES_FILE
     from pyvene_dist.testing.parity import _loss
 
     helpers.patch()
@@ -237,8 +237,9 @@ def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp
         model.save_intervention(str(saved))
         model.save(str(tmp_path / "pyreft"), include_model=True)  # pyvene's save, which pyreft's ReftModel.save is
         states = torch.load(saved / STATES_FILE, weights_only=True)
-        head = {f"model.{name}": value for name, value in torch.load(saved / MODEL_FILE, weights_only=True).items()}
-        saved_by_save = torch.load(tmp_path / "pyreft" / MODEL_FILE, weights_only=True)
+        head = torch.load(saved / "pytorch_model.bin", weights_only=True)
+        head = {f"model.{name}": value for name, value in head.items()}
+        saved_by_save = torch.load(tmp_path / "pyreft" / "pytorch_model.bin", weights_only=True)
         assert set(head) == {"model.lm_head.weight"}, sorted(head)
         assert set(trained.weights) <= set(states) | set(head)
         for name, value in trained.weights.items():
