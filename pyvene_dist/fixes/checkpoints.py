@@ -21,8 +21,8 @@ What fails today:
   bfloat16, whatever it was saved in: on a float32 model the first forward fails with ``RuntimeError:
   mat1 and mat2 must have the same dtype, but got Float and BFloat16``, and float32 weights are rounded
   to bfloat16 silently. LoReFT's rotation came back only to rounding (its parametrization is rebuilt
-  from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (where this rank holds
-  the weights whole: no collective), and ``load`` restores every parameter in the dtype it was saved in,
+  from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (the weights whole, see
+  below), and ``load`` restores every parameter in the dtype it was saved in,
   from that file (exact) or, for folders without it, from pyreft's files. A base model ZeRO-3 partitioned
   in bf16 or fp16 under ``zero.Init`` gives the interventions its dtype (``fixes.deepspeed``), as
   DeepSpeed needs; one partitioned in float32 does not. (Any partitioned base used to keep pyvene's
@@ -44,6 +44,19 @@ What fails today:
   ``DistributedDataParallel`` wrapper, and the first checkpoint failed with ``AttributeError:
   'DistributedDataParallel' object has no attribute 'save_intervention'``. They now reach the pyvene
   model inside whatever wraps it.
+- A base weight trained beside the interventions (a head: pyreft's GLUE example with
+  ``--allow_cls_grad``, a reward model's ``score``) is what ``include_model`` writes to
+  ``pytorch_model.bin`` (``save_intervention``'s default, ``save(include_model=True)``). It was written
+  as this rank holds it: under ZeRO-3 the empty partition, under FSDP2 a ``DTensor`` shard, and one
+  device failed to load it (``RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: size
+  mismatch for lm_head.weight: copying a param with shape torch.Size([0]) from checkpoint``, or
+  ``aten.copy_.default got mixed torch.Tensor and DTensor``); a whole saved weight did not load into a
+  partitioned or sharded model either. Each is now gathered whole once (ZeRO-3: with the interventions;
+  a ``DTensor``: all-gathered), every rank taking part, and rank 0 writes it; a load copies the whole
+  value into the gathered partition (ZeRO's fp32 master weights too) or cuts each rank's shard from it.
+  ``save`` (pyreft's ``ReftModel.save``) gathered nothing: under ZeRO-3 it also wrote the interventions'
+  empty partitions, from every rank. It now gathers like ``save_intervention`` and rank 0 writes;
+  ``load(..., include_model=True)`` loads into a partitioned base too.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
