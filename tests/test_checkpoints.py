@@ -121,14 +121,29 @@ def test_distributed_causal_lm_trainer_saves_without_hanging(tmp_path):
 
 @pytest.mark.world_size(2)
 def test_fsdp2_model_saves_what_one_device_loads(tmp_path):
+    """The trained head (``lm_head``, trainable beside the interventions) is a ``DTensor`` shard under FSDP2:
+    ``save_intervention`` and ``save(include_model=True)`` (pyreft's ``ReftModel.save``) used to write this
+    rank's shard, which one device failed to load (``aten.copy_.default got mixed torch.Tensor and
+    DTensor``). They write it whole; it loads on one device, and back into a sharded model."""
     from pyvene_dist.fsdp import fully_shard_model
 
     helpers.patch()
-    model = fully_shard_model(CASE.build())
+    pyreft = models.import_pyreft()
+    trained = trained_model()  # the same on every rank
+    head = trained.model.lm_head.weight.detach().clone()
+    model = fully_shard_model(trained)
     model.save_intervention(str(tmp_path / "saved"))
+    model.save(str(tmp_path / "pyreft"), include_model=True)
     dist.barrier()
     if dist.get_rank() == 0:
         single = ParityCase(seed=7).build()
         single.load_intervention(str(tmp_path / "saved"))
         for name, value in model.interventions.state_dict().items():
             assert torch.equal(single.interventions.state_dict()[name], value), name
+        assert torch.equal(single.model.lm_head.weight, head)
+        loaded = pyreft.ReftModel.load(str(tmp_path / "pyreft"), models.tiny_llama(seed=7), include_model=True)
+        assert torch.equal(loaded.model.lm_head.weight, head)
+    # ... and back into a sharded model, each rank its shard
+    other = fully_shard_model(ParityCase(seed=7).build())
+    other.load_intervention(str(tmp_path / "saved"))
+    assert torch.equal(other.model.lm_head.weight.full_tensor(), head)

@@ -84,9 +84,10 @@ def test_zero3_partitions_the_base_model_and_the_interventions():
     parameters = list(model.parameters())
     partitioned = [p for p in parameters if hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel]
     assert len(parameters) == 27 and len(partitioned) == len(parameters)
-    # Sizes are reported whole, not as the (empty) local view.
+    # Sizes are reported whole, not as the (empty) local view: the interventions', and with the base's
+    # trainable part, the head (the vocabulary of 97 x hidden 32) beside them.
     assert model.count_parameters() == 2 * (32 * 4 + 4 * 32 + 4)
-    assert model.count_parameters(include_model=True) == model.count_parameters()
+    assert model.count_parameters(include_model=True) == model.count_parameters() + 97 * 32
 
 
 @pytest.mark.world_size(2, timeout=600)
@@ -105,22 +106,36 @@ def test_interventions_reading_other_modules_weights_under_zero3(intervention):
 
 @pytest.mark.world_size(2, timeout=600)
 def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
+    """The interventions and the trained head (``lm_head``, trainable beside them) are partitioned: each is
+    saved whole by ``save_intervention`` and by ``save(include_model=True)`` (pyreft's ``ReftModel.save``),
+    loads on one device, and back into a partitioned model. The head used to be saved as the empty
+    partition (``size mismatch for lm_head.weight: copying a param with shape torch.Size([0])``), and
+    ``save`` wrote the interventions' empty partitions too."""
     import deepspeed
+    import pyreft
+
+    from pyvene_dist.testing import models
+    from pyvene_dist.testing.parity import _trained
 
     helpers.patch()
     case = ParityCase()
     trained = train(case, "single")  # the weights to save, same on every rank
     model = case.build()
-    for name, parameter in model.interventions.named_parameters():
+    for name, parameter in _trained(model):
         parameter.data.copy_(trained.weights[name])
     deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
                          config=DeepSpeed(3).config(case.batch_size))
     model.save_intervention(str(tmp_path / "saved"))  # every rank calls; rank 0 writes
+    model.save(str(tmp_path / "pyreft"), include_model=True)
     dist.barrier()
     single = ParityCase(seed=9).build()
     single.load_intervention(str(tmp_path / "saved"))
-    for name, value in trained.weights.items():
-        assert torch.equal(dict(single.interventions.named_parameters())[name], value), name
+    for name, parameter in _trained(single):
+        assert torch.equal(parameter, trained.weights[name]), name
+    loaded = pyreft.ReftModel.load(str(tmp_path / "pyreft"), models.tiny_llama(seed=9), include_model=True)
+    for name, parameter in loaded.interventions.named_parameters():
+        assert torch.equal(parameter, trained.weights[name]), name
+    assert torch.equal(loaded.model.lm_head.weight, trained.weights["model.lm_head.weight"])
     # ... and back into a partitioned model
     other = ParityCase(seed=9).build()
     deepspeed.initialize(model=other, optimizer=torch.optim.AdamW(other.get_trainable_parameters()),
@@ -128,8 +143,10 @@ def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
     other.load_intervention(str(tmp_path / "saved"))
     from deepspeed.utils import safe_get_full_fp32_param
 
-    for name, parameter in other.interventions.named_parameters():
+    for name, parameter in _trained(other):
         torch.testing.assert_close(safe_get_full_fp32_param(parameter).cpu(), trained.weights[name], rtol=0, atol=0)
+        with deepspeed.zero.GatheredParameters([parameter]):
+            assert torch.equal(parameter.data, trained.weights[name]), name
 
 
 @pytest.mark.world_size(2, timeout=600)
@@ -190,7 +207,10 @@ def test_zero3_save_on_rank_0_alone_is_refused_in_seconds(tmp_path):
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="call save_intervention / load_intervention .* on every rank") as error:
             model.save_intervention(str(tmp_path / "saved"))
-        assert '"stage3_param_persistence_threshold" of at least 128' in str(error.value)  # 32 x 4 elements
+        # the largest of what is split: the trainable head, 97 x 32 elements (the interventions' 32 x 4 with
+        # the head frozen), named in the error
+        assert '"stage3_param_persistence_threshold" of at least 3104' in str(error.value)
+        assert "lm_head.weight" in str(error.value)
         assert time.monotonic() - started < 60
     dist.barrier()
 
@@ -213,17 +233,22 @@ def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp
     strategy = DeepSpeed(3, zero={"stage3_param_persistence_threshold": 100_000})
     trained = train(case, strategy)
     model, saved = strategy.engine.module, tmp_path / "saved"
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # the head (97 x 32 elements) is persistent too, whole on every rank
         model.save_intervention(str(saved))
-        model.save(str(tmp_path / "pyreft"))  # pyvene's save, which pyreft's ReftModel.save is
+        model.save(str(tmp_path / "pyreft"), include_model=True)  # pyvene's save, which pyreft's ReftModel.save is
         states = torch.load(saved / STATES_FILE, weights_only=True)
-        assert set(trained.weights) <= set(states)
+        head = torch.load(saved / "pytorch_model.bin", weights_only=True)
+        head = {f"model.{name}": value for name, value in head.items()}
+        saved_by_save = torch.load(tmp_path / "pyreft" / "pytorch_model.bin", weights_only=True)
+        assert set(head) == {"model.lm_head.weight"}, sorted(head)
+        assert set(trained.weights) <= set(states) | set(head)
         for name, value in trained.weights.items():
-            assert torch.equal(states[name], value), name
+            assert torch.equal({**states, **head}[name], value), name
+        assert torch.equal(saved_by_save["lm_head.weight"], trained.weights["model.lm_head.weight"])
     dist.barrier()
-    for batch in case.batches(steps=2):  # every rank trains on, in step
+    for batch in case.batches(steps=1):  # every rank trains on, in step (the engine counts the micro-batches)
         strategy.backward(_loss(strategy.engine, strategy.shard(batch), strategy.device))
-        strategy.step(None)
+        strategy.step(None, strategy.engine)
 
 
 @pytest.mark.world_size(2, timeout=600)

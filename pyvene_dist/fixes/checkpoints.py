@@ -21,8 +21,8 @@ What fails today:
   bfloat16, whatever it was saved in: on a float32 model the first forward fails with ``RuntimeError:
   mat1 and mat2 must have the same dtype, but got Float and BFloat16``, and float32 weights are rounded
   to bfloat16 silently. LoReFT's rotation came back only to rounding (its parametrization is rebuilt
-  from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (where this rank holds
-  the weights whole: no collective), and ``load`` restores every parameter in the dtype it was saved in,
+  from the saved rotation). ``save`` now also writes ``intervention_states.pt`` (the weights whole, see
+  below), and ``load`` restores every parameter in the dtype it was saved in,
   from that file (exact) or, for folders without it, from pyreft's files. A base model ZeRO-3 partitioned
   in bf16 or fp16 under ``zero.Init`` gives the interventions its dtype (``fixes.deepspeed``), as
   DeepSpeed needs; one partitioned in float32 does not. (Any partitioned base used to keep pyvene's
@@ -44,6 +44,19 @@ What fails today:
   ``DistributedDataParallel`` wrapper, and the first checkpoint failed with ``AttributeError:
   'DistributedDataParallel' object has no attribute 'save_intervention'``. They now reach the pyvene
   model inside whatever wraps it.
+- A base weight trained beside the interventions (a head: pyreft's GLUE example with
+  ``--allow_cls_grad``, a reward model's ``score``) is what ``include_model`` writes to
+  ``pytorch_model.bin`` (``save_intervention``'s default, ``save(include_model=True)``). It was written
+  as this rank holds it: under ZeRO-3 the empty partition, under FSDP2 a ``DTensor`` shard, and one
+  device failed to load it (``RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: size
+  mismatch for lm_head.weight: copying a param with shape torch.Size([0]) from checkpoint``, or
+  ``aten.copy_.default got mixed torch.Tensor and DTensor``); a whole saved weight did not load into a
+  partitioned or sharded model either. Each is now gathered whole once (ZeRO-3: with the interventions;
+  a ``DTensor``: all-gathered), every rank taking part, and rank 0 writes it; a load copies the whole
+  value into the gathered partition (ZeRO's fp32 master weights too) or cuts each rank's shard from it.
+  ``save`` (pyreft's ``ReftModel.save``) gathered nothing: under ZeRO-3 it also wrote the interventions'
+  empty partitions, from every rank. It now gathers like ``save_intervention`` and rank 0 writes;
+  ``load(..., include_model=True)`` loads into a partitioned base too.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -87,6 +100,8 @@ FIX = Fix(
 STATES_FILE = "intervention_states.bin"
 #: The same, written by ``save`` beside pyvene's files (not a ``.bin``: pyvene's own tests count those).
 SAVED_STATES_FILE = "intervention_states.pt"
+#: pyvene's file of the base model's trainable weights (``include_model``), each whole.
+MODEL_FILE = "pytorch_model.bin"
 INTERVENTIONS_DIR = "intervenable_model"
 
 
@@ -138,7 +153,8 @@ def _wrap_save_intervention(wrapped, instance, args, kwargs):
     from ..gather import gathered, is_main_process
 
     save_directory, include_model = _bind_directory(args, kwargs, default_include_model=True)
-    with gathered(instance):
+    base = trainable_base_weights(instance) if include_model else {}
+    with gathered(instance, base=base):
         # The plain reads first: pyreft's compact form calls the rotation's parametrization, a module
         # call after which ZeRO-3 partitions its parameter again, gathered block or not.
         files = {STATES_FILE: _cpu(instance.interventions.state_dict())}
@@ -148,10 +164,7 @@ def _wrap_save_intervention(wrapped, instance, args, kwargs):
             if isinstance(intervention, TrainableIntervention)
         })
         if include_model:
-            files["pytorch_model.bin"] = {
-                name: parameter.detach().cpu() for name, parameter in instance.model.named_parameters()
-                if parameter.requires_grad
-            }
+            files[MODEL_FILE] = _whole_copies(base)
     if is_main_process():
         os.makedirs(save_directory, exist_ok=True)
         for name, content in files.items():
@@ -165,7 +178,9 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
 
     load_directory, include_model = _bind_directory(args, kwargs, default_include_model=True)
     states_file = os.path.join(load_directory, STATES_FILE)
-    with gathered(instance, modify=True):
+    saved_base = _read_model_file(load_directory) if include_model else {}
+    base = _loaded_base_weights(instance, saved_base)
+    with gathered(instance, modify=True, base=base):
         if os.path.exists(states_file):
             state = torch.load(states_file, map_location="cpu", weights_only=True)
             instance.interventions.load_state_dict(state)
@@ -176,28 +191,76 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
                     intervention.load_state_dict(torch.load(path, map_location=_device_of(intervention),
                                                             weights_only=True))
         if include_model:
-            path = os.path.join(load_directory, "pytorch_model.bin")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            instance.model.load_state_dict(state, strict=False)
+            _load_base_weights(instance, saved_base, base)
+
+
+def trainable_base_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The base model's trainable parameters (a head trained beside the interventions), by their names in
+    its state dict: what ``include_model`` saves."""
+    return {name: parameter for name, parameter in model.model.named_parameters() if parameter.requires_grad}
+
+
+def _whole_copies(weights: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """CPU copies of ``weights``, each whole (inside ``gathered``; a ``DTensor``'s all-gather is a
+    collective, which every rank enters, one weight at a time)."""
+    from ..gather import whole
+
+    return {name: whole(parameter).detach().cpu().clone() for name, parameter in weights.items()}
+
+
+def _read_model_file(directory: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
+
+
+def _loaded_base_weights(model: nn.Module, saved: dict) -> dict[str, nn.Parameter]:
+    """The base model's parameters that ``saved`` holds a value for: those to hold whole while loading."""
+    return {name: parameter for name, parameter in model.model.named_parameters() if name in saved}
+
+
+def _load_base_weights(model: nn.Module, saved: dict, parameters: dict[str, nn.Parameter]) -> None:
+    """Load whole saved base weights into ``model``'s base as pyvene does (``strict=False``), inside
+    ``gathered(..., base=parameters)``: a ZeRO-3 partition is whole there; each ``DTensor`` shard takes
+    its own part of the whole value."""
+    from ..gather import placed_like
+
+    state = {name: placed_like(value, parameters[name]) if name in parameters else value
+             for name, value in saved.items()}
+    model.model.load_state_dict(state, strict=False)
 
 
 def _wrap_save(wrapped, instance, args, kwargs):
-    from ..gather import whole_here
+    from ..gather import gathered, is_main_process
 
-    wrapped(*args, **kwargs)
-    if all(whole_here(parameter) for parameter in instance.interventions.parameters()):
-        save_directory = args[0] if args else kwargs["save_directory"]
-        torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, SAVED_STATES_FILE))
+    save_directory, save_to_hf_hub, hf_repo_name, include_model = _save_arguments(*args, **kwargs)
+    base = trainable_base_weights(instance) if include_model else {}
+    with gathered(instance, base=base):  # whole inside, for pyvene's reads and the exact states
+        weights = _whole_copies(base)
+        if is_main_process():  # the other ranks hold the same
+            wrapped(save_directory, save_to_hf_hub, hf_repo_name, include_model=False)
+            torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, SAVED_STATES_FILE))
+            if include_model:  # pyvene wrote each parameter as held here: a ZeRO-3 or FSDP2 shard
+                torch.save(weights, os.path.join(save_directory, MODEL_FILE))
+
+
+def _save_arguments(save_directory, save_to_hf_hub=False, hf_repo_name="my-awesome-model", include_model=False):
+    return save_directory, save_to_hf_hub, hf_repo_name, include_model
 
 
 def _wrap_load(wrapped, instance, args, kwargs):
+    from ..gather import gathered
+
     load_directory, model, local_directory, from_hub, include_model = _load_arguments(*args, **kwargs)
     if from_hub or not os.path.exists(load_directory):  # as pyvene does, so that the folder is known here
         from huggingface_hub import snapshot_download
 
         load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
-    loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=include_model)
+    loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=False)
     _restore_as_saved(loaded, load_directory)
+    if include_model:  # also into a base that ZeRO-3 partitions (zero.Init) or FSDP2 shards
+        saved = _read_model_file(load_directory)
+        base = _loaded_base_weights(loaded, saved)
+        with gathered(loaded, modify=True, base=base):
+            _load_base_weights(loaded, saved, base)
     return loaded
 
 
