@@ -135,6 +135,8 @@ def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
 @pytest.mark.world_size(2, timeout=600)
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_accelerate_deepspeed_plugin_matches_one_process(stage):
+    """The config's ``"gradient_accumulation_steps": "auto"`` takes the Accelerator's: the engine steps once
+    per ``case.accumulation`` micro-batches, as one process does."""
     from accelerate import Accelerator, DeepSpeedPlugin
 
     from pyvene_dist.testing.hf import deepspeed_config, train_with_accelerate
@@ -142,7 +144,9 @@ def test_accelerate_deepspeed_plugin_matches_one_process(stage):
     helpers.patch()
     case = ParityCase()
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(stage))
-    candidate = train_with_accelerate(case, Accelerator(deepspeed_plugin=plugin, cpu=not torch.cuda.is_available()))
+    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=case.accumulation,
+                              cpu=not torch.cuda.is_available())
+    candidate = train_with_accelerate(case, accelerator)
     if dist.get_rank() == 0:
         assert_parity(train(case, "single"), candidate, case.tolerance, grads=False)
 
