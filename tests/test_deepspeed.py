@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO 1/2/3 (CPU over gloo here; 2 x H200 with offload on the GPU machine)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,12 +35,14 @@ def test_zero_in_bf16_matches_one_process(strategy):
     """DeepSpeed's bf16 engine used to fail at the first forward: ``"orgqr_cpu" not implemented for
     'BFloat16'`` (the rotation cast to bf16 has no Householder kernel; fixes.parametrizations)."""
     helpers.patch()
-    case = ParityCase(dtype="bfloat16")
+    # lr 1e-3, as the other bf16 comparisons: at 1e-2 Adam turns rounding into steps of lr (parity.DEEPSPEED_BF16)
+    case = ParityCase(dtype="bfloat16", lr=1e-3)
     candidate = train(case, strategy)
     if dist.get_rank() == 0:
         reference = train(case, "single")
         print(f"{strategy} bf16: {differences(reference, candidate)}")
-        assert_parity(reference, candidate, tolerance(case, strategy))  # 8 bf16 ulps: see parity
+        # 8 bf16 ulps; a final weight also 2 x lr off per step its reference gradient was within them of zero
+        assert_parity(reference, candidate, dataclasses.replace(tolerance(case, strategy), adam_lr=case.lr))
 
 
 @pytest.mark.world_size(2, timeout=900)
