@@ -40,3 +40,29 @@ def test_the_training_step_compiles_whole_and_equals_eager(patched, attention):
     for name in grads:  # the compiled graph builds the rotation at each read: rounding apart
         torch.testing.assert_close(compiled_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
+
+
+def test_a_model_compiled_before_its_first_call_builds_its_plan_outside_the_graph(patched):
+    """Where the first call is compiled (HF Trainer's ``torch_compile=True``), the plan is built there: its
+    hook registrations, traced, broke the graph at ``RemovableHandle``'s class counter (``setattr() on
+    unsupported type``; on the H200's torch 2.11 dynamo could not resume there: 'Failed to handle graph break
+    gracefully. Skipping the function and falling back to eager'). The build is left to eager code, so the
+    only break is the call that builds it."""
+    from torch._dynamo.utils import counters
+
+    reft = models.reft_model(models.tiny_llama(seed=0), layers=(0, 1), seed=1)
+    reft.train()
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = torch.randint(S, (2, B, 3), generator=torch.Generator().manual_seed(1)).tolist()  # as pyreft
+
+    def step(ids, locations):
+        _, out = reft({"input_ids": ids}, unit_locations={"sources->base": (None, locations)}, labels=ids)
+        return out.loss
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager")
+    for _ in range(3):
+        compiled(ids, locations).backward()
+    reasons = list(counters["graph_break"])
+    assert reasons and all("torch.compiler.disable" in reason and "_build" in reason for reason in reasons), reasons

@@ -262,6 +262,7 @@ def plan_refusal(model) -> str | None:
     return None
 
 
+@torch.compiler.disable  # built eagerly where the first call is compiled: registering hooks breaks a graph
 def _build(model) -> Plan:
     interventions = list(model.interventions.values())
     refusal = plan_refusal(model)
