@@ -6,13 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# Every install below takes the versions the suite is checked on (scripts/constraints.txt): setup.cfg has
+# lower bounds only, and a newer transformers on PyPI would otherwise change what CI tests.
+constraints=(-c scripts/constraints.txt)
 pip install --upgrade pip
 pip install "${PYVENE_DIST_TORCH:-torch==2.13.0}"
 # DeepSpeed builds against the torch above (its CPU ops compile on first use, about a minute); before the
 # test extra, which names it, so that pip does not build it in an isolated environment without torch.
-pip install setuptools wheel
-pip install --no-build-isolation "deepspeed==0.19.8"
-pip install -e ".[test,accelerate]"
+pip install "${constraints[@]}" setuptools wheel
+pip install "${constraints[@]}" --no-build-isolation "deepspeed==0.19.8"
+pip install "${constraints[@]}" -e ".[test,accelerate]"
 # pyreft's own requirements pull in jupyter and wandb; what it imports is already here (the test extra).
 pip install --no-deps pyreft==0.1.0
 # Build DeepSpeed's shared-memory communication op now: every DeepSpeed process on CPU loads it when it joins
