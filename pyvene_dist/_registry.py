@@ -124,6 +124,9 @@ class Fix:
     upstream: tuple[str, ...] = ()
     #: distribution -> the releases this fix was checked on (a specifier); only applied fixes count.
     checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``), or the name of that class in the
+    #: fix's module: made without arguments, with a ``close()`` that undoes what it holds.
+    state: type | str | None = None
     #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
     on_patch: Callable[[Options], None] | str | None = None
     #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects

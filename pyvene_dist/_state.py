@@ -1,119 +1,99 @@
-"""What the fixes know about one pyvene model at run time, kept in one object found from the model.
+"""What the fixes keep about one pyvene model at run time: each fix its own part, found from the model.
 
-``REGISTRY.models.of(model)`` is the ``ModelState`` of ``model`` (an ``IntervenableModel``, a
-``ReftModel``, or a DataParallel replica of one: a replica is an object of its own, with a state of
-its own), created on first use; ``REGISTRY.models.get(model)`` reads it without creating one.
-The map holds models weakly: a state never keeps its model alive, and nothing is written on the model.
+A fix that keeps something per model declares the type in its record (``Fix(state=HookState)``): a class
+made without arguments, whose ``close()`` undoes what it holds (hooks it registered, classes it swapped).
+``REGISTRY.models.of(model, HookState)`` is that fix's part of ``model``'s state, made on first use;
+``REGISTRY.models.get(model, HookState)`` reads it without making one. ``model`` is an
+``IntervenableModel``, a ``ReftModel``, or a DataParallel replica of one (an object of its own, with a
+state of its own). This module names no fix: it only keeps, finds and closes the parts.
 
-A part of a model that must find its model's state without knowing the model (``orthogonal``'s
-rotations, torch modules that pyvene's interventions hold) is registered with ``REGISTRY.models.add_part``
-and found with ``REGISTRY.models.of_part(part)``: a map part -> model owned by the registry, weak both
-ways (nothing is written on the part, and the part keeps neither the state nor the model alive).
+Where it is kept: in the model's ``__dict__`` (``_pyvene_dist_states``), because torch.compile traces the
+lookup. A process-wide weak map made dynamo guard on the position of the model among the map's keys,
+and a compile during which another model was collected failed building that guard (``IndexError``).
+Whatever copies a model's ``__dict__`` (DataParallel's replicas, ``copy.copy``) carries the original's
+entry, which is not the copy's: an entry answers only for the model it was made for. ``copy.deepcopy``
+and pickling (``torch.save`` of a whole model) carry an empty dict instead of the state.
 
-A state is torn down (``ModelState.close``: the hooks it registered removed, the rotations it adopted
-given torch's class back, what it holds dropped) when its model is garbage collected and when
-``unpatch()`` runs, for every model at once.
+A part of a model that must find its model's state without knowing the model (``orthogonal``'s rotations)
+is registered with ``add_part(part, model)`` and found with ``of_part(part, Kind)``: a map part -> model,
+weak both ways, owned by the registry.
+
+A state is closed (every part's ``close()``, newest first) when its model is garbage collected, and for
+every model at once by ``unpatch()``, which also takes the entry off each model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
+
+import torch
+
+T = TypeVar("T")
+#: The attribute of a model's ``__dict__`` that holds its ``ModelState``.
+ATTRIBUTE = "_pyvene_dist_states"
 
 
-@dataclasses.dataclass(eq=False)
 class ModelState:
-    """One pyvene model's runtime state, a field per fix that keeps some. Nothing here refers to the model
-    itself (its finalizer holds the state until the model goes)."""
+    """One model's state: a fix's state type -> its object. Nothing here refers to the model itself (its
+    finalizer holds the state until the model goes); ``owner`` is the model's ``id``."""
 
-    #: ``hooks``: the handles of the hooks pyvene registered on the model's modules, removed at cleanup.
-    handles: list = dataclasses.field(default_factory=list)
-    #: ``hooks``: while a checkpointing training forward runs, its intervening hooks (``hooks.Kept``).
-    kept: Any = None
-    #: ``gradient_checkpointing``: forwards whose intervening hooks are kept for backward's recomputation (held
-    #: by what can recompute them, weakly here).
-    pending: "weakref.WeakSet" = dataclasses.field(default_factory=weakref.WeakSet)
-    #: ``fsdp``: intervention parameter -> the handle of its gradient-averaging hook.
-    reduced: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    #: ``data_parallel``: for a replica, its device (its weights are plain tensors that cannot say).
-    replica_device: Any = None
-    #: ``data_parallel``: the names from the base model down to its first parameter (``get_device``).
-    first_parameter: Any = None
-    #: ``data_parallel``: the signature of the model's ``forward`` (scatter binds its arguments to it).
-    forward_signature: Any = None
-    #: ``data_parallel``: intervention key -> the name of the module its hook sits on.
-    hooked_module_names: Any = None
-    #: ``data_parallel``: devices whose Householder product was initialised from the calling thread.
-    warmed_devices: set = dataclasses.field(default_factory=set)
-    #: ``tensor_parallel``: whether the base model holds DTensor parameters (None: not looked yet).
-    dtensor_parameters: Any = None
-    #: ``orthogonal``: each torch orthogonal parametrization adopted for this model -> torch's class, which
-    #: it is given back at close (its class is ``ReftOrthogonal`` while patched).
-    rotations: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    #: ``fast_path``: the plan its calls run on (``fast_path.Plan``; its hooks are removed at close).
-    plan: Any = None
-    #: ``orthogonal``: rotation -> its captured CUDA graphs (and their memory pool).
-    graphs: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    __slots__ = ("owner", "parts", "__weakref__")
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+        self.parts: dict[type, Any] = {}
+
+    def __reduce__(self):  # copy.deepcopy and pickle: a copy of the model starts with no state
+        return dict, ()
 
     def close(self) -> None:
-        """Remove every hook this state registered, give the adopted rotations torch's class back and drop
-        what it holds."""
-        handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
-        if self.plan is not None:
-            self.plan.remove()
-        self.plan = None
-        for kept in [self.kept, *self.pending]:  # hooks.Kept, then checkpointing.Forward objects
-            if kept is not None:
-                kept.remove()
-        self.kept = None
-        self.pending = weakref.WeakSet()
-        for handle in list(self.reduced.values()):
-            handle.remove()
-        self.reduced = weakref.WeakKeyDictionary()
-        self.replica_device = None
-        self.forward_signature = None
-        self.first_parameter = None
-        self.hooked_module_names = None
-        self.dtensor_parameters = None
-        self.warmed_devices = set()
-        for rotation, torchs in list(self.rotations.items()):
-            if type(rotation) is not torchs:
-                rotation.__class__ = torchs
-        self.rotations = weakref.WeakKeyDictionary()
-        self.graphs = weakref.WeakKeyDictionary()
+        parts, self.parts = self.parts, {}
+        for part in reversed(list(parts.values())):
+            part.close()
+
+
+def _owned(model) -> ModelState | None:
+    states = model.__dict__.get(ATTRIBUTE)
+    return states if type(states) is ModelState and states.owner == id(model) else None
 
 
 class ModelStates:
-    """model -> ``ModelState``, held weakly by the model; owned by the registry (``REGISTRY.models``)."""
+    """Every model's state; owned by the registry (``REGISTRY.models``)."""
 
     def __init__(self) -> None:
-        self._states: "weakref.WeakKeyDictionary[Any, ModelState]" = weakref.WeakKeyDictionary()
+        #: model -> the finalizer that closes its state: the models that have one, for ``close_all``.
         self._finalizers: "weakref.WeakKeyDictionary[Any, weakref.finalize]" = weakref.WeakKeyDictionary()
         #: part of a model -> a weak reference to that model (``add_part``); kept through ``close_all``.
         self._parts: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()  # DataParallel's replicas run in threads of their own
+        self._lock = threading.Lock()
 
-    def of(self, model) -> ModelState:
-        """The state of ``model``, created (and closed when the model is collected) on first use."""
-        state = self._states.get(model)
-        if state is not None:
-            return state
-        with self._lock:
-            state = self._states.get(model)
-            if state is None:
-                state = self._states[model] = ModelState()
-                finalizer = weakref.finalize(model, state.close)
+    def of(self, model, kind: type[T]) -> T:
+        """``model``'s part of type ``kind``, made (and closed when the model is collected) on first use."""
+        states = _owned(model)
+        if states is None:
+            states = self._adopt(model)
+        part = states.parts.get(kind)
+        if part is None:
+            part = states.parts[kind] = kind()
+        return part
+
+    def get(self, model, kind: type[T]) -> T | None:
+        """``model``'s part of type ``kind``, or None where none was made."""
+        states = _owned(model)
+        return None if states is None else states.parts.get(kind)
+
+    @torch.compiler.disable  # a finalizer is made eagerly; a traced call finds the state made already
+    def _adopt(self, model) -> ModelState:
+        with self._lock:  # DataParallel's replicas run in threads of their own
+            states = _owned(model)
+            if states is None:  # none yet, or a copy's entry, which is not its own
+                states = model.__dict__[ATTRIBUTE] = ModelState(id(model))
+                finalizer = weakref.finalize(model, states.close)
                 finalizer.atexit = False  # at exit, nothing is left to undo
                 self._finalizers[model] = finalizer
-            return state
-
-    def get(self, model) -> ModelState | None:
-        """The state of ``model``, or None if no fix kept any for it."""
-        return self._states.get(model)
+            return states
 
     def add_part(self, part, model) -> None:
         """Let ``part`` (an object of ``model``, which does not know it) find ``model``'s state: ``of_part``.
@@ -121,12 +101,12 @@ class ModelStates:
         what the state held: ``parts()``."""
         self._parts[part] = weakref.ref(model)
 
-    def of_part(self, part) -> ModelState | None:
-        """The state of the model ``part`` was added for (``add_part``), or None: not added, its model
-        collected, or no state since ``unpatch()``."""
+    def of_part(self, part, kind: type[T]) -> T | None:
+        """The part of type ``kind`` of the model ``part`` was added for (``add_part``), or None: not added,
+        its model collected, or no such part (none made, or closed by ``unpatch()``)."""
         ref = self._parts.get(part)
         model = ref() if ref is not None else None
-        return self._states.get(model) if model is not None else None
+        return self.get(model, kind) if model is not None else None
 
     def parts(self) -> list[tuple[Any, Any]]:
         """Every (part, model) added whose model is alive."""
@@ -134,17 +114,23 @@ class ModelStates:
         return [(part, model) for part, model in pairs if model is not None]
 
     def __len__(self) -> int:
-        return len(self._states)
+        """How many live models have a state."""
+        return sum(_owned(model) is not None for model in list(self._finalizers.keys()))
 
-    def __iter__(self) -> Iterator[ModelState]:
-        return iter(list(self._states.values()))
+    def all(self, kind: type[T]) -> Iterator[T]:
+        """Every live model's part of type ``kind``."""
+        for model in list(self._finalizers.keys()):
+            part = self.get(model, kind)
+            if part is not None:
+                yield part
 
     def close_all(self) -> None:
-        """Close every state and forget it (``unpatch()``): later use starts afresh."""
+        """Close every state and take it off its model (``unpatch()``): later use starts afresh."""
         with self._lock:
-            states, finalizers = list(self._states.values()), list(self._finalizers.values())
-            self._states, self._finalizers = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
-        for finalizer in finalizers:
+            finalizers, self._finalizers = self._finalizers, weakref.WeakKeyDictionary()
+        for model, finalizer in list(finalizers.items()):
             finalizer.detach()
-        for state in states:
-            state.close()
+            states = _owned(model)
+            if states is not None:
+                del model.__dict__[ATTRIBUTE]
+                states.close()

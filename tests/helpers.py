@@ -90,10 +90,9 @@ def use_libaio() -> None:
 def hook_counts(model) -> list[tuple[int, int]]:
     """(forward hooks, pre-hooks) of each module of ``model``'s base model, less the hooks of its plan
     (``fixes.fast_path``): registered once, one per intervention, idle outside the plan's calls."""
-    from pyvene_dist._registry import REGISTRY
+    from pyvene_dist.fixes.fast_path import plan_of
 
-    state = REGISTRY.models.get(model)
-    plan = state.plan if state is not None else None
+    plan = plan_of(model)
     planned = {handle.id for handle in plan.handles} if plan is not None else set()
     assert len(planned) in (0, len(model.interventions)), f"{len(planned)} plan hooks for {len(model.interventions)}"
     return [(len(m._forward_hooks.keys() - planned), len(m._forward_pre_hooks)) for m in model.model.modules()]

@@ -10,6 +10,14 @@ from pyvene_dist.testing import models
 B, S = 2, 9
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh, and leaves no compiled code holding its model alive for later tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_the_training_step_compiles_whole_and_equals_eager(patched, attention):
     reft = models.reft_model(models.tiny_llama(seed=0, attention=attention), layers=(0, 1), seed=1)
@@ -66,3 +74,31 @@ def test_a_model_compiled_before_its_first_call_builds_its_plan_outside_the_grap
         compiled(ids, locations).backward()
     reasons = list(counters["graph_break"])
     assert reasons and all("torch.compiler.disable" in reason and "_build" in reason for reason in reasons), reasons
+
+
+def test_the_compiled_forward_guards_on_the_model_not_on_other_models(patched):
+    """The compiled step finds the model's plan from the model. Found in a process-wide weak map, dynamo
+    guarded on the model's position among the map's keys: a guard that changed with every model made or
+    collected elsewhere, and failed to build (``IndexError``, CI at 68ad82a) when one was collected during
+    the compile."""
+    others = [models.reft_model(models.tiny_llama(seed=0), layers=(0,), seed=2) for _ in range(2)]
+    reft = models.reft_model(models.tiny_llama(seed=0), layers=(0, 1), seed=1)
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = torch.randint(S, (2, B, 3), generator=torch.Generator().manual_seed(1))
+
+    def step(ids, locations):
+        _, out = reft({"input_ids": ids}, unit_locations={"sources->base": (None, locations)}, labels=ids)
+        return out.loss
+
+    step(ids, locations)  # the plan built, as by a first eager step
+    explained = torch._dynamo.explain(step)(ids, locations)
+    guards = [str(guard).split("\n")[0] for guard in explained.out_guards]
+    on_the_map = [guard for guard in guards if "REGISTRY.models." in guard]  # the map's contents
+    assert guards and not on_the_map, on_the_map
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    expected = compiled(ids, locations)
+    del others  # collected after the compile: its guards do not name them
+    import gc
+
+    gc.collect()
+    torch.testing.assert_close(compiled(ids, locations), expected, rtol=0, atol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pyvene_dist
-from pyvene_dist._registry import REGISTRY
+from pyvene_dist.fixes.fast_path import plan_of
 from pyvene_dist.testing import models
 
 S = 9
@@ -81,7 +81,7 @@ def test_the_plan_is_stock_pyvene(intervention, layers, form, batch):
     with pyvene_dist.patched(), _general_path(expected=False):
         fast_logits, fast_grads = _train_step(reft, ids, FORMS[form](locations))
         fast_eval_logits = _eval_logits(reft, ids, FORMS[form](locations))
-        assert REGISTRY.models.get(reft).plan.refusal is None
+        assert plan_of(reft).refusal is None
     assert torch.equal(fast_logits, logits) and torch.equal(fast_eval_logits, eval_logits)
     assert fast_grads.keys() == grads.keys() and all(grad.abs().sum() > 0 for grad in grads.values())
     for name in grads:  # one Householder backward instead of three (fixes.parametrizations): rounding apart
@@ -118,7 +118,7 @@ def test_a_call_whose_shape_changes_gets_its_own_indices(patched):
     for batch in (3, 2, 3):
         ids, locations = _inputs(batch, 2)
         results.append((ids, locations, _eval_logits(reft, ids, FORMS["tensor"](locations))))
-    plan = REGISTRY.models.get(reft).plan
+    plan = plan_of(reft)
     pyvene_dist.unpatch()
     for ids, locations, fast in results:
         assert torch.equal(fast, _eval_logits(reft, ids, FORMS["lists"](locations)))
@@ -156,7 +156,7 @@ def test_a_model_the_plan_refuses_goes_the_general_way(patched):
     ids, _ = _inputs(2, 1)
     with _general_path(expected=True):
         model({"input_ids": ids}, unit_locations={"base": 1}, source_representations=torch.ones(2, 1, 32))
-    refusal = REGISTRY.models.get(model).plan
+    refusal = plan_of(model)
     assert refusal is None or "AdditionIntervention" in refusal.refusal
 
 
@@ -181,7 +181,7 @@ def test_the_idle_hooks_leave_the_base_model_alone(patched):
     reft = _reft("LoreftIntervention", (0, 1))
     ids, locations = _inputs(3, 2)
     _eval_logits(reft, ids, FORMS["tensor"](locations))
-    assert len(REGISTRY.models.get(reft).plan.handles) == 2  # registered, idle outside the call
+    assert len(plan_of(reft).handles) == 2  # registered, idle outside the call
     with torch.no_grad():
         hooked = reft.model(input_ids=ids).logits
     pyvene_dist.unpatch()

@@ -17,6 +17,7 @@ import torch
 import pyvene_dist
 from pyvene_dist._registry import REGISTRY
 from pyvene_dist.fixes import orthogonal as graphed
+from pyvene_dist.fixes.orthogonal import OrthogonalState
 
 
 def _rotation(device="cpu", hidden=64, rank=4, seed=0):
@@ -184,7 +185,7 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
 def test_unpatch_releases_captured_rotations():
     orthogonal, _ = _parts(_rotation())
     with pyvene_dist.patched():
-        state = REGISTRY.models.of_part(orthogonal)
+        state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
         state.graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
     assert orthogonal not in state.graphs and graphed.graphs_of(orthogonal) is None
 

@@ -24,7 +24,7 @@ parametrization, first called in DataParallel's threads.
 
 What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
 the names of its hooked modules, found once per model) is kept in the model's state
-(``REGISTRY.models``), not on the model. ``is_replica`` is the one reader of torch's private mark of a
+(``DataParallelState``). ``is_replica`` is the one reader of torch's private mark of a
 replica, for the fixes that leave replicas alone.
 
 Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
@@ -36,7 +36,9 @@ Checked on 2 x H200 with torch 2.11 and transformers 5.17; the splitting logic o
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
+from typing import Any
 
 import torch
 
@@ -50,8 +52,26 @@ FIX = Fix(
         Site("torch.nn.parallel.data_parallel:DataParallel.replicate", "_wrap_replicate"),
         Site("pyvene.models.intervenable_base:BaseModel.get_device", "_wrap_get_device"),
     ),
+    state="DataParallelState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},
 )
+
+
+@dataclasses.dataclass(eq=False)
+class DataParallelState:
+    #: for a replica, its device (its weights are plain tensors that cannot say).
+    replica_device: Any = None
+    #: the names from the base model down to its first parameter (``get_device``).
+    first_parameter: Any = None
+    #: the signature of the model's ``forward`` (scatter binds its arguments to it).
+    forward_signature: Any = None
+    #: intervention key -> the name of the module its hook sits on.
+    hooked_module_names: Any = None
+    #: devices whose Householder product was initialised from the calling thread.
+    warmed_devices: set = dataclasses.field(default_factory=set)
+
+    def close(self) -> None:  # nothing registered, nothing swapped: what it holds goes with it
+        pass
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -95,7 +115,7 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
 
 
 def _wrap_get_device(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.of(instance)
+    state = REGISTRY.models.of(instance, DataParallelState)
     if state.replica_device is not None:
         return state.replica_device
     parameter = _first_parameter(instance.model, state.first_parameter)
@@ -129,7 +149,7 @@ def _first_parameter(model, path):
 def _make_independent(replica, original, device: torch.device) -> None:
     from pyvene.models.intervention_utils import InterventionState
 
-    state = REGISTRY.models.of(original)
+    state = REGISTRY.models.of(original, DataParallelState)
     if state.hooked_module_names is None:
         module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
         state.hooked_module_names = {key: module_names[id(register.__self__)]
@@ -152,12 +172,12 @@ def _make_independent(replica, original, device: torch.device) -> None:
         "_key_getter_call_counter": dict.fromkeys(original._key_getter_call_counter, 0),
         "_key_setter_call_counter": dict.fromkeys(original._key_setter_call_counter, 0),
     })
-    REGISTRY.models.of(replica).replica_device = device
+    REGISTRY.models.of(replica, DataParallelState).replica_device = device
 
 
 def _warm_householder(model, device: torch.device) -> None:
     # torch initialises householder_product's backend lazily, and not thread-safely.
-    warmed = REGISTRY.models.of(model).warmed_devices
+    warmed = REGISTRY.models.of(model, DataParallelState).warmed_devices
     if device not in warmed:
         torch.linalg.householder_product(torch.eye(2, 1, device=device), torch.zeros(1, device=device))
         warmed.add(device)
@@ -179,7 +199,7 @@ def _arguments(args, kwargs, *names):
 
 def _forward_signature(model) -> inspect.Signature:
     """The signature of ``model.forward``, found once and kept in the model's state."""
-    state = REGISTRY.models.of(model)
+    state = REGISTRY.models.of(model, DataParallelState)
     if state.forward_signature is None:
         state.forward_signature = inspect.signature(model.forward)
     return state.forward_signature

@@ -53,6 +53,7 @@ FIX = Fix(
     ),
     # The general path it falls back to is theirs: applied first, their wraps stay under the entries.
     after=("gradient_checkpointing", "hooks", "locations", "devices", "parametrizations", "tensor_parallel"),
+    state="FastPathState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only; a pyvene whose forward or
     # generate differs from 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
 )
@@ -106,6 +107,18 @@ class Plan:
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
+
+
+class FastPathState:
+    """The plan a model's calls run on; its hooks are removed at close."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+
+    def close(self) -> None:
+        if self.plan is not None:
+            self.plan.remove()
+        self.plan = None
 
 
 def _written_from(name: str, general) -> None:
@@ -216,7 +229,7 @@ def _plan(model) -> Plan | None:
     options = REGISTRY.options
     if options is None or not options.fast_path or model.__dict__.get("_is_replica"):
         return None  # a DataParallel replica is a new object per forward: no plan to reuse
-    state = REGISTRY.models.of(model)
+    state = REGISTRY.models.of(model, FastPathState)
     plan = state.plan
     if plan is None or plan.interventions != list(model.interventions.values()):
         if plan is not None:
@@ -224,11 +237,15 @@ def _plan(model) -> Plan | None:
         plan = state.plan = _build(model)
     if plan.refusal is not None:
         return None
-    if state.dtensor_parameters is None:  # fixes.tensor_parallel's fact, found once
-        from .tensor_parallel import has_dtensor_parameters
+    from .tensor_parallel import is_tensor_parallel  # its fact, found once per model
 
-        state.dtensor_parameters = has_dtensor_parameters(model.model)
-    return None if state.dtensor_parameters else plan
+    return None if is_tensor_parallel(model) else plan
+
+
+def plan_of(model) -> Plan | None:
+    """The plan ``model`` holds now (built at its first call), or None."""
+    state = REGISTRY.models.get(model, FastPathState)
+    return None if state is None else state.plan
 
 
 def plan_refusal(model) -> str | None:

@@ -17,7 +17,7 @@ Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/
 as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
 decoder layer. Sharding only ``reft_model.model`` leaves the interventions' gradients unreduced.
 
-The gradient-averaging hooks are kept in the pyvene model's state (``REGISTRY.models.of(model).reduced``):
+The gradient-averaging hooks are kept in the pyvene model's state (``FsdpState.reduced``):
 they are removed by ``unpatch()``, and when the model is garbage collected.
 
 Checked with torch 2.11 (2 x H200, nccl) and 2.13 (CPU, gloo).
@@ -25,6 +25,8 @@ Checked with torch 2.11 (2 x H200, nccl) and 2.13 (CPU, gloo).
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Iterable
 
 import torch
@@ -33,6 +35,7 @@ from torch import nn
 from .._registry import REGISTRY, Fix, Site
 from ._models import intervenable_models
 from .consistency import check_same_interventions
+from .tensor_parallel import forget_dtensor_parameters
 
 FIX = Fix(
     __name__,
@@ -43,8 +46,21 @@ FIX = Fix(
         Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
              "_wrap_fsdp1_init"),
     ),
+    state="FsdpState",
     checked={"torch": ">=2.11,<2.14"},
 )
+
+
+@dataclasses.dataclass(eq=False)
+class FsdpState:
+    """A pyvene model's intervention parameters -> the handle of the hook that averages the gradient."""
+
+    reduced: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+
+    def close(self) -> None:
+        for handle in list(self.reduced.values()):
+            handle.remove()
+        self.reduced = weakref.WeakKeyDictionary()
 
 
 def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -72,7 +88,7 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
     for model in models:  # its parameters are DTensors now: tensor_parallel looks again
-        REGISTRY.models.of(model).dtensor_parameters = None
+        forget_dtensor_parameters(model)
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     _place_and_reduce(models, _compute_device(modules, parameters), groups)
@@ -110,7 +126,7 @@ def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: lis
         size *= dist.get_world_size(group)
     for model in models:
         model.interventions.to(device)
-        reduced = REGISTRY.models.of(model).reduced
+        reduced = REGISTRY.models.of(model, FsdpState).reduced
         for parameter in model.interventions.parameters():
             if parameter.requires_grad and not _averaged(parameter):
                 reduced[parameter] = parameter.register_post_accumulate_grad_hook(_averager(groups, size))
@@ -119,7 +135,7 @@ def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: lis
 def _averaged(parameter: nn.Parameter) -> bool:
     """Whether some pyvene model's state already averages ``parameter``'s gradient (a second FSDP wrap,
     or interventions that two models share)."""
-    return any(parameter in state.reduced for state in REGISTRY.models)
+    return any(parameter in state.reduced for state in REGISTRY.models.all(FsdpState))
 
 
 def _averager(groups: list, size: int):

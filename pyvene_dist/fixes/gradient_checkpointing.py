@@ -27,7 +27,7 @@ belong:
   checkpoints keep with the graph (non-reentrant in its frames until backward frees them, reentrant on
   its node until the graph goes). After the backward that frees the graph, or with a graph dropped
   unused; a graph kept by ``retain_graph`` keeps them for its next backward. Until then they are
-  pending in the model's state (``REGISTRY.models.of(model).pending``), and ``unpatch()`` removes them.
+  pending in the model's state (``CheckpointingState.pending``), and ``unpatch()`` removes them.
 
 In such a forward, an input component's hook (a pre-hook) writes into a copy of the module's input,
 which the module then receives, instead of into the input itself: where a layer's ``__call__`` is
@@ -64,9 +64,23 @@ FIX = Fix(
         Site(f"{_BASE}:IntervenableModel._output_validation", "_wrap_output_validation"),
     ),
     requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
+    state="CheckpointingState",
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},
 )
+
+
+class CheckpointingState:
+    """A model's forwards whose intervening hooks are kept for backward's recomputation (held by what can
+    recompute them, weakly here), removed at close."""
+
+    def __init__(self) -> None:
+        self.pending: "weakref.WeakSet[Forward]" = weakref.WeakSet()
+
+    def close(self) -> None:
+        pending, self.pending = list(self.pending), weakref.WeakSet()
+        for forward in pending:
+            forward.remove()
 #: The forward whose interventions apply now in this thread: the one running, or the one whose
 #: checkpointed layer backward is recomputing. None outside both, where every kept hook is inert.
 _applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
@@ -140,7 +154,7 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     forward.finished = True
     # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
     # recompute this forward any more (at once if no checkpoint kept a replay), or at unpatch().
-    REGISTRY.models.of(instance).pending.add(forward)
+    REGISTRY.models.of(instance, CheckpointingState).pending.add(forward)
     weakref.finalize(lease, forward.remove)
     return output
 

@@ -6,7 +6,7 @@ every module of the base model. DeepSpeed ZeRO-3 and FSDP2 gather and free param
 profilers and users keep theirs there too. After one pyvene forward they are silently gone.
 
 The fix records the handles pyvene's hook factories (``_intervention_getter``,
-``_intervention_setter``) return in the model's state (``REGISTRY.models.of(model).handles``), and
+``_intervention_setter``) return in the model's state (``HookState.handles``), and
 ``_remove_forward_hooks`` removes exactly those. The state is found from the model object, so
 ``nn.DataParallel`` replicas (shallow copies) keep their own; ``unpatch()`` removes what is left.
 
@@ -61,6 +61,7 @@ FIX = Fix(
         Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", "_wrap_remove_forward_hooks", kind="replace",
              fingerprint="f76d928fd9d68878"),
     ),
+    state="HookState",
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},
 )
@@ -82,10 +83,27 @@ class Kept:
         self.activations = {}
 
 
+@dataclasses.dataclass(eq=False)
+class HookState:
+    """A model's hooks that pyvene registered (removed by pyvene's ``_remove_forward_hooks``, and at close), and
+    while a checkpointing training forward runs, its intervening hooks."""
+
+    handles: list = dataclasses.field(default_factory=list)
+    kept: Kept | None = None
+
+    def close(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        if self.kept is not None:
+            self.kept.remove()
+        self.kept = None
+
+
 @contextlib.contextmanager
 def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kept]:
     kept = Kept(wrap_hook=wrap_hook)
-    state = REGISTRY.models.of(model)
+    state = REGISTRY.models.of(model, HookState)
     state.kept = kept
     try:
         yield kept
@@ -97,13 +115,13 @@ def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kep
 
 
 def keeping(model) -> Kept | None:
-    state = REGISTRY.models.get(model)
+    state = REGISTRY.models.get(model, HookState)
     return None if state is None else state.kept
 
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
     handler_list = wrapped(*args, **kwargs)
-    REGISTRY.models.of(instance).handles.extend(handler_list.handlers)
+    REGISTRY.models.of(instance, HookState).handles.extend(handler_list.handlers)
     return handler_list
 
 
@@ -121,7 +139,7 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
             hook = writing_to_copies(hooks[handle.id], inputs=aliases_saved, outputs=aliases_saved)
             hooks[handle.id] = kept.wrap_hook(hook) if kept is not None and kept.wrap_hook is not None else hook
     if kept is None:
-        REGISTRY.models.of(instance).handles.extend(handler_list.handlers)
+        REGISTRY.models.of(instance, HookState).handles.extend(handler_list.handlers)
         return handler_list
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
@@ -255,7 +273,7 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.get(instance)
+    state = REGISTRY.models.get(instance, HookState)
     if state is None:
         return
     handles, state.handles = state.handles, []

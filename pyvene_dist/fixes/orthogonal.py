@@ -17,9 +17,9 @@ way, and for a model built before ``patch()`` (``adopt(model.interventions, mode
 rotations are otherwise torch's: eager, and under DeepSpeed's bf16 mode failing as below.
 
 **State.** The adopted rotations and their graphs are the model's runtime state
-(``pyvene_dist._state``): ``ModelState.rotations`` and ``ModelState.graphs`` of the pyvene model that
-adopted them (of the rotation itself when ``adopt`` names no model). A rotation finds that state at
-forward time through the registry's weak map ``REGISTRY.models.of_part(rotation)``, not through an
+(``OrthogonalState``) of the pyvene model that adopted them (of the rotation itself when ``adopt``
+names no model). A rotation finds that state at forward time through the registry's weak map
+``REGISTRY.models.of_part(rotation, OrthogonalState)``, not through an
 attribute: a reference written on the module would be copied into a ``deepcopy`` or a DataParallel
 replica (which copies ``__dict__``) and, given torch's class back, left on torch's object. When the
 model is collected, and for every model at ``unpatch()``, the state's ``close`` gives its rotations
@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 
 import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
@@ -81,9 +82,26 @@ from .data_parallel import is_replica
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
+    state="OrthogonalState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
 )
+
+
+class OrthogonalState:
+    """The rotations a model adopted, each -> torch's class, which it is given back at close (its class is
+    ``ReftOrthogonal`` while patched); and rotation -> its captured CUDA graphs (and their memory pool)."""
+
+    def __init__(self) -> None:
+        self.rotations: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def close(self) -> None:
+        for rotation, torchs in list(self.rotations.items()):
+            if type(rotation) is not torchs:
+                rotation.__class__ = torchs
+        self.rotations = weakref.WeakKeyDictionary()
+        self.graphs = weakref.WeakKeyDictionary()
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -117,7 +135,7 @@ def adopt(module: torch.nn.Module, model=None) -> None:
     back when the owner is collected and at ``unpatch()`` (a later ``patch()`` swaps it again)."""
     for submodule in module.modules():
         if type(submodule) in (_Orthogonal, ReftOrthogonal):
-            previous = REGISTRY.models.of_part(submodule)
+            previous = REGISTRY.models.of_part(submodule, OrthogonalState)
             if previous is not None:  # adopted before, maybe for another owner: recorded once
                 previous.rotations.pop(submodule, None)
                 previous.graphs.pop(submodule, None)
@@ -128,7 +146,7 @@ def adopt(module: torch.nn.Module, model=None) -> None:
 
 def _adopt(rotation, model) -> None:
     """While patched: record ``rotation`` in ``model``'s state and give it this fix's class."""
-    REGISTRY.models.of(model).rotations[rotation] = _Orthogonal
+    REGISTRY.models.of(model, OrthogonalState).rotations[rotation] = _Orthogonal
     _swap(rotation, _Orthogonal, ReftOrthogonal)
 
 
@@ -166,7 +184,7 @@ _lock = threading.Lock()
 
 def graphs_of(orthogonal) -> "_Graphs | None":
     """The graphs ``rotation`` keeps for ``orthogonal`` in its model's state, or None."""
-    state = REGISTRY.models.of_part(orthogonal)
+    state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
     return state.graphs.get(orthogonal) if state is not None else None
 
 
@@ -174,7 +192,7 @@ def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     """``orthogonal(X)`` from CUDA graphs, or ``None`` where they do not apply (see the module docstring)."""
     if not _applies(orthogonal, X):
         return None
-    state = REGISTRY.models.of_part(orthogonal)
+    state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
     key = _key(orthogonal, X)

@@ -54,12 +54,23 @@ FIX = Fix(
         Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", "_wrap_wait_for_forward"),
         Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", "_wrap_wait_for_forward"),
     ),
+    state="TensorParallelState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14", "transformers": ">=5.17,<5.25"},  # runtime-only, as data_parallel
 )
 
 
+class TensorParallelState:
+    """Whether the model's base model holds DTensor parameters (None: not looked yet)."""
+
+    def __init__(self) -> None:
+        self.dtensor_parameters: bool | None = None
+
+    def close(self) -> None:
+        self.dtensor_parameters = None
+
+
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
-    if not _is_tensor_parallel(instance):
+    if not is_tensor_parallel(instance):
         return wrapped(*args, **kwargs)
     registrars = instance.intervention_hooks
     instance.intervention_hooks = {
@@ -74,18 +85,25 @@ def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
         instance.intervention_hooks = registrars
 
 
-def _is_tensor_parallel(intervenable) -> bool:
+def is_tensor_parallel(intervenable) -> bool:
     """Whether ``intervenable``'s base model holds DTensor parameters, as found at its first forward and kept
-    in its state (``ModelState.dtensor_parameters``): the walk over every parameter is not repeated per
+    in its state (``TensorParallelState``): the walk over every parameter is not repeated per
     forward. This relies on the base model being parallelized (``from_pretrained(tp_plan=...)``,
     ``parallelize_module``) before its first intervened forward, as the strategies' docs have it; FSDP2's
     ``fully_shard`` of the pyvene model, which may follow a forward, forgets the fact (``fixes.fsdp``)."""
     if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor
         return False
-    state = REGISTRY.models.of(intervenable)
+    state = REGISTRY.models.of(intervenable, TensorParallelState)
     if state.dtensor_parameters is None:
         state.dtensor_parameters = has_dtensor_parameters(intervenable.model)
     return state.dtensor_parameters
+
+
+def forget_dtensor_parameters(intervenable) -> None:
+    """Look again at the next forward (``fully_shard`` made the parameters DTensors)."""
+    state = REGISTRY.models.get(intervenable, TensorParallelState)
+    if state is not None:
+        state.dtensor_parameters = None
 
 
 def has_dtensor_parameters(model: nn.Module) -> bool:
