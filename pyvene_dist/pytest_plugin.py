@@ -7,10 +7,15 @@
     @pytest.mark.gpus(2)
     def test_data_parallel(): ...  # skipped, saying so, on a machine with fewer than 2 GPUs
 
-Marker ``world_size(*sizes, backend=None, timeout=None)``. The backend is ``--world-backend``
+Marker ``world_size(*sizes, backend=None, timeout=None, fresh=False)``. The backend is ``--world-backend``
 (``auto``: nccl on a machine with GPUs, gloo on one without); a size that needs more GPUs than the
 machine has is skipped with the number it needs. ``timeout`` (default ``--world-timeout``, 300 s)
-bounds the whole world: past it, every live rank's stack is printed and the test fails.
+bounds the test's run: past it, every live rank's stack is printed and the test fails.
+
+The ranks of a world stay up for the next test of the same size and backend (``testing.worlds``: their
+start-up, some 7-15 s on a CPU, is paid once per session), and put back between tests what a test may
+leave (environment, working directory, ``pyvene_dist.patch()``, accelerate's state). A failed test ends
+its world. ``fresh=True``, or ``--fresh-worlds`` for every test, runs the test in processes of its own.
 Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works); one that
 cannot be pickled (``capsys``, ``request``, a lambda in ``parametrize``) fails the test with one line
 naming it.
@@ -53,6 +58,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="process-group backend for @pytest.mark.world_size tests (default: auto)",
     )
     group.addoption(
+        "--fresh-worlds",
+        action="store_true",
+        help="start new processes for every @pytest.mark.world_size test instead of reusing a world's",
+    )
+    group.addoption(
         "--world-timeout",
         type=float,
         default=300.0,
@@ -63,7 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "world_size(*sizes, backend=None, timeout=None): run the test body in a process group of each size",
+        "world_size(*sizes, backend=None, timeout=None, fresh=False): run the test body in a process group of "
+        "each size (fresh: in processes of its own, not a world kept from earlier tests)",
     )
     config.addinivalue_line("markers", "gpus(n): skip unless the machine has at least n CUDA GPUs")
 
@@ -96,24 +107,43 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     marker = pyfuncitem.get_closest_marker(WORLD_SIZE_ARG)
     if marker is None:
         return None
-    from pyvene_dist.testing.launch import spawn
-
     world_size = pyfuncitem.callspec.params[WORLD_SIZE_ARG]
     backend = _backend(pyfuncitem.config, marker, world_size)
     timeout = marker.kwargs.get("timeout") or pyfuncitem.config.getoption("--world-timeout")
     declared = inspect.signature(pyfuncitem.obj).parameters
     kwargs = {name: value for name, value in pyfuncitem.funcargs.items() if name in declared}
     _check_picklable(pyfuncitem, kwargs)
-    with tempfile.TemporaryDirectory(prefix="pyvene-dist-world") as workdir:
-        outcome = spawn(
-            pyfuncitem.obj, world_size=world_size, backend=backend, timeout=timeout, workdir=workdir, kwargs=kwargs
-        )
+    if marker.kwargs.get("fresh") or pyfuncitem.config.getoption("--fresh-worlds"):
+        from pyvene_dist.testing.launch import spawn
+
+        with tempfile.TemporaryDirectory(prefix="pyvene-dist-world") as workdir:
+            outcome = spawn(
+                pyfuncitem.obj, world_size=world_size, backend=backend, timeout=timeout, workdir=workdir, kwargs=kwargs
+            )
+    else:
+        outcome = _worlds(pyfuncitem.config).get(world_size, backend).run(pyfuncitem.obj, timeout=timeout, kwargs=kwargs)
     if outcome.failed:
         pytest.fail(outcome.report(), pytrace=False)
     if outcome.skipped:
         reasons = sorted({f"{r.detail}" for r in outcome.skipped})
         pytest.skip("; ".join(reasons))
     return True
+
+
+def _worlds(config: pytest.Config):
+    """The session's worlds, made on first use and ended with the session."""
+    worlds = getattr(config, "_pyvene_dist_worlds", None)
+    if worlds is None:
+        from pyvene_dist.testing.worlds import Worlds
+
+        worlds = config._pyvene_dist_worlds = Worlds()
+    return worlds
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    worlds = getattr(config, "_pyvene_dist_worlds", None)
+    if worlds is not None:
+        worlds.close()
 
 
 def _check_picklable(item: pytest.Function, kwargs: dict) -> None:

@@ -150,7 +150,7 @@ def slow_on_rank_1(*args, **kwargs):  # the test module is imported in each rank
 
 dist.init_process_group = slow_on_rank_1
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, fresh=True)  # the module is imported before the group forms: spawn's order
 def test_body():
     if dist.get_rank() == 0:
         assert Path("rank1-through").exists(), "rank 0 started its body while rank 1 was still initialising"

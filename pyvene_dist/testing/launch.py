@@ -131,12 +131,14 @@ def _reap(processes, reported: set[int], *, exit_seconds: float = 30.0) -> None:
         process.join(timeout=10)
 
 
-def _collect(processes, results, workdir: Path, *, timeout: float, grace: float) -> dict[int, RankOutcome]:
+def _collect(processes, results, workdir: Path, *, timeout: float, grace: float,
+             expected: str = PASSED) -> dict[int, RankOutcome]:
+    """Every rank's report (``expected`` from a rank that went as it should), or its stack at the deadline."""
     outcomes: dict[int, RankOutcome] = {}
     deadline = time.monotonic() + timeout
     timed_out_status = TIMED_OUT
     while len(outcomes) < len(processes):
-        if any(o.status != PASSED for o in outcomes.values()):
+        if any(o.status != expected for o in outcomes.values()):
             # A rank left early; the others may wait forever in a collective it will never join.
             deadline = min(deadline, time.monotonic() + grace)
             timed_out_status = f"stuck after another rank stopped (no report within {grace:g}s)"
