@@ -59,6 +59,44 @@ def test_hangs():
                                  "*in wait_forever*"])
 
 
+def test_a_world_serves_the_next_test_and_is_put_back_between_tests(pytester, monkeypatch, tmp_path):
+    """The second test runs in the first one's processes (the same pids), and finds none of what the first left:
+    its environment variable, its working directory, pyvene_dist patched, its process group destroyed. A failed
+    test ends its world: the test after it runs in new processes. Each rank's output reaches the test's report."""
+    monkeypatch.setenv("SHARED", str(tmp_path))
+    result = run(pytester, """
+import pyvene_dist
+from pathlib import Path
+
+def pids():
+    pid = __import__("torch").tensor([os.getpid()])
+    gathered = [pid.clone() for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, pid)
+    return sorted(int(p) for p in gathered)
+
+@pytest.mark.world_size(2)
+def test_a_leaves_things():
+    print(f"rank {dist.get_rank()} speaking")
+    Path(os.environ["SHARED"], f"a-{dist.get_rank()}").write_text(repr(pids()))
+    os.environ["LEFT_BEHIND"] = "1"
+    os.chdir("/")
+    pyvene_dist.patch()
+    dist.destroy_process_group()
+
+@pytest.mark.world_size(2)
+def test_b_finds_them_gone():
+    assert "LEFT_BEHIND" not in os.environ and os.getcwd() != "/" and not pyvene_dist.is_patched()
+    assert repr(pids()) == Path(os.environ["SHARED"], f"a-{dist.get_rank()}").read_text()  # same processes
+    raise RuntimeError("b fails")
+
+@pytest.mark.world_size(2)
+def test_c_runs_in_new_processes():
+    assert repr(pids()) != Path(os.environ["SHARED"], f"a-{dist.get_rank()}").read_text()
+""")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*RuntimeError: b fails*", "*rank 0 speaking*", "*FAILED test_world.py::test_b_finds_them_gone*"])
+
+
 def test_rank_stuck_in_a_collective_after_another_failed_is_reported(pytester):
     result = run(pytester, """
 @pytest.mark.world_size(2, timeout=60)

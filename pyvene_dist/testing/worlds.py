@@ -11,7 +11,8 @@ Between runs a rank puts back what a test may leave behind: the environment vari
 directory, ``pyvene_dist.patch()`` (unpatched), accelerate's process-wide state, and the default process
 group (initialised again if a test destroyed it). A world in which a run failed, timed out or crashed is
 ended (a rank may be stuck in a collective, or hold state nobody can vouch for); the next run starts a new
-one. A test that needs fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest
+one; so is a world whose rank could not be put back (the test's outcome stands). A test that needs
+fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest
 plugin), and gets ``spawn``.
 
 Each rank writes its output for a run to a file the parent reads back after the run (a process started
@@ -169,10 +170,14 @@ def _serve(rank, world_size, backend, store_path, env, tasks, results, stack_pat
                     outcome = RankOutcome(rank, PASSED)
                 try:
                     _put_back(environ, cwd, backend, store_path, rank, world_size, timeout)
-                except BaseException:  # noqa: BLE001 -- a world that cannot be put back is not reused
-                    outcome = RankOutcome(rank, FAILED, f"after the test, the rank could not be reset:\n"
-                                                        f"{traceback.format_exc()}")
+                    reusable = True
+                except BaseException:  # noqa: BLE001 -- the test's outcome stands; its world is not reused
+                    print(f"pyvene_dist: rank {rank} could not be reset after the test, so its world ends "
+                          f"here:\n{traceback.format_exc()}", file=sys.stderr)
+                    reusable = False
             results.put(outcome)
+            if not reusable:  # e.g. DeepSpeed's zero.Init left every module class's __init__ replaced
+                return
     finally:
         _destroy_process_group()
         results.close()
