@@ -220,10 +220,43 @@ def test_an_unknown_fix_is_refused_naming_it_and_the_known_ones(argument):
         pyvene_dist.patch(**{argument: ["tensor_paralel"]})
     with pytest.raises(TypeError, match=rf"{argument}='hooks': expected a collection of fix names"):
         pyvene_dist.patch(**{argument: "hooks"})
-    with pytest.raises(ValueError, match=rf"{argument}: unknown fix 'checkpointing' \('checkpointing' is now "
-                                         r"'gradient_checkpointing'\); known fixes: "):
-        pyvene_dist.patch(**{argument: ["checkpointing"]})  # the name before issue 19
     assert not pyvene_dist.is_patched()
+
+
+@pytest.mark.parametrize("old, new", [("trainer", {"pyreft_trainer", "hf_trainer"}),  # split in issue 29
+                                      ("checkpointing", {"gradient_checkpointing"})])  # renamed in issue 19
+def test_an_old_fix_name_stands_for_the_fixes_it_became(old, new):
+    from pyvene_dist import fixes
+
+    every = {fix.name for fix in fixes.fixes()}
+    with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
+        assert {fix.name for fix in fixes.select(exclude=[old])} == every - new - fixes.upstreamed()
+    with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
+        assert {fix.name for fix in fixes.select(only=[old])} >= new
+
+
+def test_excluding_trainer_leaves_hf_trainer_and_pyreft_trainer_unwrapped():
+    import pyreft.reft_trainer  # noqa: F401 (patched on import otherwise: here it is imported already)
+    from pyreft.reft_trainer import ReftTrainer
+    from transformers.trainer import Trainer
+
+    import pyvene_dist
+
+    with pytest.warns(DeprecationWarning), pyvene_dist.patched(exclude=["trainer"]):
+        assert not _wrapped(Trainer, "_set_signature_columns_if_needed") and not _wrapped(ReftTrainer, "compute_loss")
+        assert "train" not in vars(ReftTrainer)
+    with pyvene_dist.patched():
+        assert _wrapped(Trainer, "_set_signature_columns_if_needed") and _wrapped(ReftTrainer, "compute_loss")
+
+
+def test_a_package_carrying_the_old_trainer_name_carries_both_halves(tmp_path, monkeypatch):
+    from pyvene_dist import fixes
+
+    package = tmp_path / "carries_trainer_for_pyvene_dist"
+    package.mkdir()
+    (package / "__init__.py").write_text('FIXES = frozenset({"trainer", "deepspeed"})\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fixes.carried_fixes(package.name) == {"pyreft_trainer", "hf_trainer", "deepspeed"}
 
 
 def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_carry(monkeypatch):
@@ -274,17 +307,17 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
         "import pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
         "from pyvene_dist._registry import REGISTRY, FixError\n"
-        "from pyvene_dist.fixes import trainer\n"
+        "from pyvene_dist.fixes import pyreft_trainer\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
-        "del trainer._wrap_evaluate\n"
+        "del pyreft_trainer._wrap_evaluate\n"
         "try:\n"
         "    import pyreft\n"
         "except FixError as error:\n"
         "    message = str(error)\n"
         "else:\n"
         "    raise SystemExit('import pyreft did not fail')\n"
-        "assert \"fix 'trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
+        "assert \"fix 'pyreft_trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
         "assert \"names '_wrap_evaluate'\" in message and 'every fix was undone' in message, message\n"
         "assert not pyvene_dist.is_patched() and not REGISTRY.sites\n"
         "assert vars(BaseModel)['named_parameters'] is original\n"
