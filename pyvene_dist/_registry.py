@@ -114,10 +114,12 @@ class Fix:
 
     module: str
     sites: tuple[Site, ...]
-    #: Fixes whose runtime code or behaviour this one is built on: applied with it, before it.
+    #: Fixes whose runtime code or behaviour this one is built on (it calls them whatever is applied):
+    #: applied with it, before it.
     requires: tuple[str, ...] = ()
-    #: Fixes this one is applied after when they are applied too, without pulling them in (an ``entry``
-    #: site stacks on the wraps of the same attribute).
+    #: Fixes this one is applied after when they are applied too, without pulling them in: an ``entry``
+    #: site stacks on the wraps of the same attribute, and code calls theirs only where ``REGISTRY.applied``
+    #: names them (or keeps their state coherent). tests/test_patching.py derives both from the imports.
     after: tuple[str, ...] = ()
     #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
     #: empty for a runtime-only fix (docs/upstreaming.md says why each is).

@@ -337,3 +337,48 @@ def test_no_fix_rebinds_a_module_global():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, (ast.Global, ast.Nonlocal))]
     assert not found, f"fixes rebinding module globals: {found}"
+
+
+#: Fixes whose module another fix's code uses without naming it in ``requires`` or ``after``, and why.
+USES_WITHOUT_RECORD = {
+    ("orthogonal", "householder"): "householder requires orthogonal; orthogonal takes its backward only where "
+                                   "REGISTRY.applied names householder",
+    ("checkpoints", "deepspeed"): "take_partitioned_dtype is part of a load: interventions restored in their saved "
+                                  "dtypes must take a ZeRO-3 bf16 partition's dtype again, whether or not "
+                                  "deepspeed's wraps are applied (pyvene's checkpoints.diff does the same)",
+}
+
+
+def _fixes_used(path: Path, fix_names: set[str]) -> set[str]:
+    """The other fix modules ``path``'s code imports, anywhere in it: ``from . import x`` (then ``x.f()``),
+    ``from .x import f``, and the same from ``pyvene_dist.fixes``."""
+    import ast
+
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            package = "." * node.level + (node.module or "")
+            package = package.replace("pyvene_dist.fixes", ".", 1) if package.startswith("pyvene_dist.fixes") else package
+            if package in (".", "..fixes"):
+                used.update(alias.name for alias in node.names)
+            elif package.startswith("."):
+                used.add(package.lstrip(".").removeprefix("fixes.").split(".")[0])
+    return used & fix_names - {path.stem}
+
+
+def test_each_fix_records_the_fixes_its_code_uses():
+    """``requires`` (applied with it) or ``after`` (used where applied, or their state kept coherent) names every
+    fix whose module a fix's code imports, or ``USES_WITHOUT_RECORD`` says why not: ``exclude=`` then means
+    what it says (``fsdp`` ran ``consistency``'s check with ``consistency`` excluded)."""
+    from pyvene_dist import fixes
+
+    records = fixes.by_name()
+    folder = Path(fixes.__file__).parent
+    unrecorded = sorted(
+        f"{name} uses {other}" for name, fix in records.items()
+        for other in _fixes_used(folder / f"{name}.py", set(records))
+        if other not in fix.requires + fix.after and (name, other) not in USES_WITHOUT_RECORD)
+    assert not unrecorded, f"fixes using others their record does not name: {unrecorded}"
+    stale = sorted(pair for pair in USES_WITHOUT_RECORD if pair[1] not in _fixes_used(folder / f"{pair[0]}.py", set(records)))
+    assert not stale, f"USES_WITHOUT_RECORD lists uses the code no longer has: {stale}"
+

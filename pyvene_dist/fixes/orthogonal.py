@@ -77,11 +77,14 @@ from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._registry import REGISTRY, Fix, Site
 from . import gradient_checkpointing, householder
-from .data_parallel import is_replica
+from ._models import is_replica
 
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
+    # gradient_checkpointing: stays eager in its checkpointed forwards, which only that fix marks.
+    # (householder's backward too, where that fix is applied; it requires this one, so it cannot be `after`.)
+    after=("gradient_checkpointing",),
     state="OrthogonalState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
