@@ -72,14 +72,24 @@ class Site:
     ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
     traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
     ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
+
+    ``reexported_in`` names the modules that re-export the attribute (``from .modeling_utils import *``):
+    each holds the same original under the same qualified name, and is patched the same way, since code
+    there looks the name up in its own module (``Fix.places`` lists them all).
     """
 
     path: str
     wrapper: Any
     kind: str = "wrap"
     fingerprint: str | None = None
+    reexported_in: tuple[str, ...] = ()
+    #: Set by ``places()`` on a re-export's place: the module it re-exports from, whose attribute it must hold.
+    reexports: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.reexported_in, str) or any(":" in name for name in self.reexported_in):
+            raise TypeError(f"Site {self.path!r}: reexported_in={self.reexported_in!r}, expected a tuple of module "
+                            "names such as ('pyvene.models.intervenable_base',)")
         if self.kind not in KINDS:
             raise ValueError(f"Site {self.path!r}: kind={self.kind!r}, expected one of {KINDS}")
         if (self.kind == "replace") != (self.fingerprint is not None):
@@ -90,6 +100,13 @@ class Site:
     @property
     def module(self) -> str:
         return self.path.split(":")[0]
+
+    def places(self) -> tuple["Site", ...]:
+        """This site in its module and in each module that re-exports it."""
+        qualified = self.path.split(":")[1]
+        return (dataclasses.replace(self, reexported_in=()),) + tuple(
+            dataclasses.replace(self, path=f"{module}:{qualified}", reexported_in=(), reexports=self.module)
+            for module in self.reexported_in)
 
     @property
     def attribute(self) -> str:
@@ -139,6 +156,11 @@ class Fix:
     def name(self) -> str:
         return self.module.rsplit(".", 1)[-1]
 
+    @functools.cached_property
+    def places(self) -> tuple[Site, ...]:
+        """Every site ``patch()`` touches: each of ``sites`` in its module and where it is re-exported."""
+        return tuple(place for site in self.sites for place in site.places())
+
     def resolve(self, value: Any) -> Any:
         """``value``, or the object of the fix's module it names."""
         if not isinstance(value, str):
@@ -156,7 +178,7 @@ class Fix:
         if self.on_unpatch is not None:
             registry.on_restore(self.resolve(self.on_unpatch))
         by_module: dict[str, list[Site]] = {}
-        for site in self.sites:
+        for site in self.places:
             by_module.setdefault(site.module, []).append(site)
         for module_name, sites in by_module.items():
             apply = functools.partial(_apply_sites, self, tuple(sites), registry, options)
@@ -169,6 +191,8 @@ class Fix:
 def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", options: Options, module: Any) -> None:
     for site in sites:
         owner = site.owner(module)
+        if site.reexports is not None:
+            _check_reexport(fix, site, owner, registry)
         if site.kind == "add":
             registry.add(owner, site.attribute, fix.resolve(site.wrapper))
             continue
@@ -178,6 +202,18 @@ def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", option
         if site.kind == "replace" and registry.find(owner, site.attribute) is None:
             _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
         registry.wrap(owner, site.attribute, fix.resolve(site.wrapper))
+
+
+def _check_reexport(fix: Fix, site: Site, owner: Any, registry: "Registry") -> None:
+    """A re-export's place must hold what its module re-exports (the original, before any wrap)."""
+    source = site.owner(importlib.import_module(site.reexports))
+    wrapped = registry.find(source, site.attribute)
+    exported = wrapped.original if wrapped is not None else vars(source).get(site.attribute, _MISSING)
+    found = vars(owner).get(site.attribute, _MISSING)
+    if found is not exported and registry.find(owner, site.attribute) is None:
+        raise FixError(f"pyvene_dist's fix {fix.name!r}: {site.path} is not {site.reexports}'s {site.attribute} "
+                       f"re-exported ({found!r} there); the installed version defines its own, which needs a Site "
+                       "of its own rather than reexported_in")
 
 
 def fingerprint(original: Any) -> str:

@@ -50,7 +50,7 @@ def test_every_site_of_every_fix_is_wrapped_then_restored():
     out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
     from pyvene_dist.fixes import select
 
-    declared = sorted(site.path for fix in select() for site in fix.sites)
+    declared = sorted(site.path for fix in select() for site in fix.places)
     assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("wrapped ")) == declared
     assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("restored ")) == declared
 
@@ -382,3 +382,54 @@ def test_each_fix_records_the_fixes_its_code_uses():
     stale = sorted(pair for pair in USES_WITHOUT_RECORD if pair[1] not in _fixes_used(folder / f"{pair[0]}.py", set(records)))
     assert not stale, f"USES_WITHOUT_RECORD lists uses the code no longer has: {stale}"
 
+
+
+def test_no_fix_copies_a_reexport_site_by_hand():
+    """A name star-imported into other modules is one ``Site`` with ``reexported_in`` (fsdp's ``fully_shard``
+    was three sites): the same target under other module paths is a re-export, or a definition of its own."""
+    import importlib
+
+    from pyvene_dist import fixes
+
+    copied = []
+    for fix in fixes.fixes():
+        for site in fix.sites:
+            for other in fix.sites:
+                if other is site or other.path.split(":")[1] != site.path.split(":")[1] or other.kind != site.kind:
+                    continue
+                modules = [importlib.import_module(s.module) for s in (site, other)]
+                if site.owner(modules[0]).__dict__.get(site.attribute) is other.owner(modules[1]).__dict__.get(other.attribute):
+                    copied.append(f"{fix.name}: {other.path} re-exports {site.path}")
+    assert not copied, copied
+
+
+def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
+    import types
+
+    from pyvene_dist._registry import Fix, FixError, Registry, Site
+
+    def original():
+        return "original"
+
+    defining, reexporting = types.ModuleType("pyvene_dist_defines"), types.ModuleType("pyvene_dist_reexports")
+    defining.f = reexporting.f = original
+    monkeypatch.setitem(sys.modules, defining.__name__, defining)
+    monkeypatch.setitem(sys.modules, reexporting.__name__, reexporting)
+    fix = Fix("tests.reexport", sites=(Site(f"{defining.__name__}:f", lambda wrapped, instance, args, kwargs: "fixed",
+                                            reexported_in=(reexporting.__name__,)),))
+    registry = Registry()
+    fix.patch(registry)
+    assert defining.f() == reexporting.f() == "fixed"
+    registry.restore_all()
+    assert defining.f is original and reexporting.f is original
+
+    def its_own():
+        return "its own"
+
+    reexporting.f = its_own
+    with pytest.raises(FixError, match=r"pyvene_dist_reexports:f is not pyvene_dist_defines's f re-exported"):
+        fix.patch(registry)
+    registry.restore_all()
+    assert defining.f is original and reexporting.f is its_own
+    with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of module names"):
+        Site(f"{defining.__name__}:f", original, reexported_in=reexporting.__name__)

@@ -40,9 +40,8 @@ from .tensor_parallel import forget_dtensor_parameters
 FIX = Fix(
     __name__,
     sites=(
-        Site("torch.distributed.fsdp:fully_shard", "_wrap_fully_shard"),  # each place it is looked up
-        Site("torch.distributed.fsdp._fully_shard:fully_shard", "_wrap_fully_shard"),
-        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard"),
+        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard",
+             reexported_in=("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp")),  # looked up in each
         Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
              "_wrap_fsdp1_init"),
     ),

@@ -37,9 +37,8 @@ from ._models import is_replica
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations"),
-        Site("pyvene.models.intervenable_base:do_intervention",
-             "_wrap_with_cached_parametrizations"),  # star-imported there
+        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations",
+             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
     ),
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},
