@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import wrapt
 
+from ._options import Options
 from ._state import ModelStates
 from ._versions import ALLOW_ENV, UnsupportedVersionError
 
@@ -46,18 +47,6 @@ KINDS = ("wrap", "replace", "add", "entry")
 
 class FixError(RuntimeError):
     """A fix could not be applied; its message names the fix and the cause."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What ``patch()`` was asked for, handed to each fix's ``on_patch`` and kept while patched
-    (``REGISTRY.options``), where the fixes read their switches at run time."""
-
-    allow_unsupported: bool = False
-    #: ``orthogonal``'s CUDA graphs; ``patch()`` resolves None from PYVENE_DIST_CUDA_GRAPHS.
-    cuda_graphs: bool | None = None
-    #: ``fast_path``'s switch; ``patch()`` resolves None from PYVENE_DIST_FAST_PATH.
-    fast_path: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)

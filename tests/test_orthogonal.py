@@ -197,8 +197,8 @@ def test_a_bad_cuda_graphs_argument_is_refused_naming_it():
 
 
 def test_a_bad_switch_is_refused_naming_it(monkeypatch):
-    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "yes")
-    with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='yes': expected 0 .* or 1"):
+    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "2")
+    with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='2': expected one of 1, true, yes, on"):
         pyvene_dist.patch()
     assert not pyvene_dist.is_patched()
 
