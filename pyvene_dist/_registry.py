@@ -14,9 +14,9 @@ Patches name the class that *defines* a method (``BaseModel.named_parameters``, 
 ``IntervenableModel.named_parameters``): wrapping through a subclass would shadow the base
 definition, and a later pyvene release that moves the method would go unnoticed. Here it fails loudly.
 
-Modules that may be imported after ``patch()`` (pyreft, ``transformers.trainer``) are patched by a
-post-import hook; hooks cannot be unregistered from wrapt, so they stay installed and do nothing
-while unpatched.
+Modules that may be imported after ``patch()`` (pyreft, ``transformers.trainer``) are patched right
+after their import by ``_imports.ImportHook``, a finder on ``sys.meta_path`` while some are awaited;
+``unpatch()`` takes it off, so ``sys.meta_path`` is as ``patch()`` found it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import wrapt
 
+from ._imports import ImportHook, is_importing
 from ._options import Options
 from ._state import ModelStates
 from ._versions import ALLOW_ENV, UnsupportedVersionError
@@ -287,7 +288,7 @@ class Registry:
     def __init__(self) -> None:
         self._sites: list[Wrap] = []
         self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
-        self._hooked_modules: set[str] = set()
+        self._import_hook = ImportHook(self._deferred, self._on_import)
         self._on_restore: list[Callable[[], None]] = []
         #: What the fixes keep per pyvene model (``pyvene_dist._state``); ``restore_all`` closes it all.
         self.models = ModelStates()
@@ -365,16 +366,17 @@ class Registry:
         ``unpatch()``) and raises ``FixError`` naming ``fix`` and the cause from the user's import.
         """
         module = sys.modules.get(module_name)
-        if module is not None and not _is_importing(module):
+        if module is not None and not is_importing(module):
             apply(module)
             return
         self._deferred.setdefault(module_name, []).append((fix, apply))
-        if module_name not in self._hooked_modules:
-            wrapt.register_post_import_hook(functools.partial(self._on_import, module_name), module_name)
-            self._hooked_modules.add(module_name)
+        self._import_hook.install()
 
     def _on_import(self, module_name: str, module: Any) -> None:
-        for fix, apply in self._deferred.pop(module_name, []):
+        pending = self._deferred.pop(module_name, [])
+        if not self._deferred:
+            self._import_hook.uninstall()
+        for fix, apply in pending:
             try:
                 apply(module)
             except Exception as error:
@@ -412,6 +414,7 @@ class Registry:
                 setattr(site.owner, site.attribute, site.original)
         self._sites.clear()
         self._deferred.clear()
+        self._import_hook.uninstall()
         self.active = False
         self.options = None
         self.applied = set()
@@ -419,11 +422,6 @@ class Registry:
         undo, self._on_restore = self._on_restore, []
         for step in reversed(undo):
             step()
-
-
-def _is_importing(module: Any) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
 
 
 REGISTRY = Registry()

@@ -432,3 +432,31 @@ def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
     assert defining.f is original and reexporting.f is its_own
     with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of module names"):
         Site(f"{defining.__name__}:f", original, reexported_in=reexporting.__name__)
+
+
+def test_unpatch_takes_off_every_import_hook_patch_installed():
+    """Before pyreft's import, patch() waits for it with a finder on sys.meta_path; unpatch() leaves sys.meta_path
+    and wrapt's post-import hooks as patch() found them (wrapt's hooks could not be unregistered), and pyreft
+    imported then is pyreft's own."""
+    code = (
+        "import sys, wrapt.importer as importer, pyvene_dist, pyvene, transformers  # their finders come with them\n"
+        "meta_path, hooks = list(sys.meta_path), {k: list(v) for k, v in importer._post_import_hooks.items()}\n"
+        "pyvene_dist.patch()\n"
+        "added = [finder for finder in sys.meta_path if finder not in meta_path]\n"
+        "assert 'pyreft' not in sys.modules and [type(f).__name__ for f in added] == ['ImportHook'], sys.meta_path\n"
+        "pyvene_dist.unpatch()\n"
+        "assert sys.meta_path == meta_path, (sys.meta_path, meta_path)\n"
+        "assert {k: list(v) for k, v in importer._post_import_hooks.items()} == hooks, importer._post_import_hooks\n"
+        "import pyreft.reft_trainer as reft_trainer, wrapt\n"
+        "assert not isinstance(vars(reft_trainer.ReftTrainer)['compute_loss'], wrapt.FunctionWrapper)\n"
+        "assert reft_trainer.__loader__ is reft_trainer.__spec__.loader and type(reft_trainer.__loader__).__module__ "
+        "!= 'pyvene_dist._imports'\n"
+        "pyvene_dist.patch()\n"
+        "assert isinstance(vars(reft_trainer.ReftTrainer)['compute_loss'], wrapt.FunctionWrapper)\n"
+        "assert sys.meta_path == meta_path  # waits for nothing: transformers.trainer came with pyreft\n"
+        "pyvene_dist.unpatch()\n"
+        "assert sys.meta_path == meta_path\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr
