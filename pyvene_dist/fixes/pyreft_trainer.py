@@ -157,10 +157,12 @@ def _share_of_the_batch(trainer, labels: torch.Tensor, num_items_in_batch) -> to
     return share
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=32)
 def _bound_signature(function) -> inspect.Signature:
     """The signature of ``function`` called as a bound method (``self`` left out), read once: every
-    training step asks for it."""
+    training step asks for it. Bounded: the functions asked about are pyreft's two ``compute_loss`` and those
+    of the user's subclasses, a handful, and an unbounded cache kept every one alive with its module (trainer
+    classes made per run, in a notebook or a sweep); a weak map would be process-wide state of its own."""
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
