@@ -6,7 +6,7 @@
 Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly.
 
 Beside ``patch()``: ``gather.gathered`` (the interventions whole outside a forward, as for a save under
-ZeRO-3), ``optim``, ``fsdp``, ``sequence_parallel``, ``testing`` (the parity harness) and the commands
+ZeRO-3), ``optim``, ``fsdp``, ``testing`` (the parity harness) and the commands
 ``pyvene-dist check`` and ``plan``. ``fixes`` holds one module per fix; names with ``_`` are private.
 """
 
