@@ -233,7 +233,7 @@ def _check_fingerprint(fix: Fix, site: Site, original: Any, options: Options) ->
     )
 
 
-def describe(owner: Any) -> str:
+def qualified_name(owner: Any) -> str:
     """``pyvene.models.intervenable_base.BaseModel`` for a class, the module name for a module."""
     if isinstance(owner, type):
         return f"{owner.__module__}.{owner.__qualname__}"
@@ -249,7 +249,7 @@ class Wrap:
 
     @property
     def name(self) -> str:
-        return f"{describe(self.owner)}.{self.attribute}"
+        return f"{qualified_name(self.owner)}.{self.attribute}"
 
 
 def is_entry(value: Any) -> bool:
@@ -323,7 +323,7 @@ class Registry:
         original = vars(owner).get(attribute, _MISSING)
         if original is _MISSING:
             raise AttributeError(
-                f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
+                f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
                 "that defines it. The installed version differs from the one this patch was written for."
             )
         proxy = _MethodWrapper(original, wrapper)
@@ -337,11 +337,11 @@ class Registry:
         if is_entry(current):
             return
         if current is _MISSING:
-            raise AttributeError(f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
+            raise AttributeError(f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
                                  "that defines it. The installed version differs from the one this patch was written for.")
         entry = make_entry(current)
         if not isinstance(entry, types.FunctionType):
-            raise TypeError(f"the entry for {describe(owner)}.{attribute} is {entry!r}, expected a plain function")
+            raise TypeError(f"the entry for {qualified_name(owner)}.{attribute} is {entry!r}, expected a plain function")
         functools.update_wrapper(entry, getattr(current, "__wrapped__", current))
         entry.__wrapped__, entry.__pyvene_dist_entry__ = current, True  # inspect.signature follows __wrapped__
         setattr(owner, attribute, entry)
@@ -353,7 +353,7 @@ class Registry:
             return
         if attribute in vars(owner):
             raise AttributeError(
-                f"{describe(owner)} already defines {attribute!r}; pyvene_dist would replace it rather than add it. "
+                f"{qualified_name(owner)} already defines {attribute!r}; pyvene_dist would replace it rather than add it. "
                 "The installed version differs from the one this patch was written for."
             )
         setattr(owner, attribute, value)

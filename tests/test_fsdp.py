@@ -52,8 +52,8 @@ def test_excluding_consistency_leaves_its_check_out_under_fsdp_too():
     from pyvene_dist.fixes import consistency
     from pyvene_dist.fsdp import fully_shard_model
 
-    described, describe = [], consistency.describe
-    consistency.describe = lambda model: described.append(model) or describe(model)
+    described, intervention_rows = [], consistency.intervention_rows
+    consistency.intervention_rows = lambda model: described.append(model) or intervention_rows(model)
     try:
         for exclude, checked in ((["consistency"], False), ([], True)):
             described.clear()
@@ -61,7 +61,7 @@ def test_excluding_consistency_leaves_its_check_out_under_fsdp_too():
                 fully_shard_model(ParityCase().build())
             assert bool(described) is checked, f"exclude={exclude}: the check described {len(described)} models"
     finally:
-        consistency.describe = describe
+        consistency.intervention_rows = intervention_rows
 
 @pytest.mark.world_size(1)
 def test_unpatch_removes_the_interventions_gradient_averaging():
