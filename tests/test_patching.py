@@ -158,7 +158,7 @@ def test_unpatch_refuses_when_someone_replaced_a_site():
 def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
-    from pyvene_dist._registry import Fix
+    from pyvene_dist._records import Fix
     from pyvene_dist.fixes import fixes
 
     original = vars(BaseModel)["named_parameters"]
@@ -305,7 +305,8 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
     code = (
         "import pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
-        "from pyvene_dist._registry import REGISTRY, FixError\n"
+        "from pyvene_dist._records import FixError\n"
+        "from pyvene_dist._registry import REGISTRY\n"
         "from pyvene_dist.fixes import pyreft_trainer\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
@@ -406,7 +407,8 @@ def test_no_fix_copies_a_reexport_site_by_hand():
 def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
     import types
 
-    from pyvene_dist._registry import Fix, FixError, Registry, Site
+    from pyvene_dist._records import Fix, FixError, Site
+    from pyvene_dist._registry import Registry
 
     def original():
         return "original"

@@ -1,4 +1,4 @@
-"""One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._registry.Fix``).
+"""One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._records.Fix``).
 
 Everything else derives from the records: the order ``patch()`` applies them in (each after the fixes
 it ``requires``, otherwise by name; ``unpatch()`` restores in reverse), which of them upstream already
@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Iterable
 
-from .._registry import Fix
+from .._records import Fix
 
 #: Fix names that changed, each with the names it stands for now: ``patch(only=..., exclude=...)`` and a
 #: package's ``FIXES`` take an old name as all of its new ones (``exclude=["trainer"]`` leaves out both halves),

@@ -69,7 +69,7 @@ import os
 import torch
 from torch import nn
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 PYVENE = "pyvene.models.intervenable_base"
 PYREFT = "pyreft"

@@ -14,7 +14,7 @@ Checked with torch 2.11 (nccl) and 2.13 (gloo).
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ._models import intervenable_models
 
 FIX = Fix(

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from ._scatter import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(

@@ -23,7 +23,7 @@ Checked with deepspeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,

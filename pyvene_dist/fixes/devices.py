@@ -28,7 +28,7 @@ import inspect
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 _UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
 FIX = Fix(

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from ._fast_path_call import Call, _call, _hook
 
 _BASE = "pyvene.models.intervenable_base"
@@ -58,7 +59,7 @@ FIX = Fix(
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only; a pyvene whose forward or
     # generate differs from 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
 )
-#: The sources (``_registry.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
+#: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.
 WRITTEN_FROM = {"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"}
 #: Whether the installed pyvene's are those, found when the entries are made (at ``patch()``).
@@ -109,7 +110,7 @@ class FastPathState:
 
 
 def _written_from(name: str, general) -> None:
-    from .._registry import fingerprint
+    from .._records import fingerprint
 
     _same_source[name] = fingerprint(getattr(general, "__wrapped__", general)) == WRITTEN_FROM[name]
 

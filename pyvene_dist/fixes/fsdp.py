@@ -32,7 +32,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from . import consistency
 from ._models import intervenable_models
 from .tensor_parallel import forget_dtensor_parameters

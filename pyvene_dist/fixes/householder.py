@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .._registry import Fix
+from .._records import Fix
 
 FIX = Fix(
     __name__,

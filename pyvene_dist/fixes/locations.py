@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from .devices import as_index
 
 

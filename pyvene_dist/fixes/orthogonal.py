@@ -75,7 +75,8 @@ import weakref
 import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from . import gradient_checkpointing, householder
 from ._models import is_replica
 

@@ -31,7 +31,7 @@ Checked on pyvene 0.1.8 and pyreft 0.1.0.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,

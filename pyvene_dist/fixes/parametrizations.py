@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ._models import is_replica
 
 FIX = Fix(

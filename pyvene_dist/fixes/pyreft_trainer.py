@@ -76,7 +76,7 @@ import inspect
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ._models import holds_intervenable_model, unwrap_intervenable_model
 
 PYREFT = "pyreft.reft_trainer"

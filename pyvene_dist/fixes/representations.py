@@ -16,7 +16,7 @@ Checked on pyvene 0.1.8.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,
