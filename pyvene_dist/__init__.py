@@ -6,7 +6,7 @@
 Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly.
 
 Beside ``patch()``: ``gather.gathered`` (the interventions whole outside a forward, as for a save under
-ZeRO-3), ``optim``, ``fsdp``, ``sequence_parallel``, ``testing`` (the parity harness) and the commands
+ZeRO-3), ``optim``, ``fsdp``, ``testing`` (the parity harness) and the commands
 ``pyvene-dist check`` and ``plan``. ``fixes`` holds one module per fix; names with ``_`` are private.
 """
 
@@ -38,20 +38,18 @@ def patch(
 
     Raises ``UnsupportedVersionError`` when pyvene, pyreft, transformers or torch is outside the
     releases the applied fixes were checked on, unless ``allow_unsupported=True`` or
-    ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
+    ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``. Each environment variable takes 1/0, true/false, yes/no or
+    on/off in any case (``pyvene_dist._options.switch``), and another value is refused by name.
     """
     from . import _versions
-    from ._registry import REGISTRY, Options
+    from ._options import Options
+    from ._registry import REGISTRY
     from .fixes import select
 
     if REGISTRY.active:
         return
-    for name, value in (("cuda_graphs", cuda_graphs), ("fast_path", fast_path)):
-        if value not in (None, True, False):
-            raise TypeError(f"{name}={value!r}: expected True, False or None")
+    options = Options.resolve(allow_unsupported=allow_unsupported, cuda_graphs=cuda_graphs, fast_path=fast_path)
     fixes = select(only, exclude)
-    options = Options(allow_unsupported=_versions.allowed(allow_unsupported), cuda_graphs=_cuda_graphs(cuda_graphs),
-                      fast_path=_switch(fast_path, "PYVENE_DIST_FAST_PATH", "0 (pyvene's general path) or 1"))
     _versions.check(fixes, options.allow_unsupported)
     REGISTRY.options = options
     try:
@@ -61,23 +59,6 @@ def patch(
         REGISTRY.restore_all()
         raise
     REGISTRY.active = True
-
-
-def _cuda_graphs(cuda_graphs: bool | None) -> bool:
-    """``patch()``'s ``cuda_graphs``, else ``PYVENE_DIST_CUDA_GRAPHS`` (0 or 1), else on."""
-    return _switch(cuda_graphs, "PYVENE_DIST_CUDA_GRAPHS", "0 (eager rotation) or 1 (CUDA graphs)")
-
-
-def _switch(value: bool | None, variable: str, expected: str) -> bool:
-    """``value``, else the environment ``variable`` (0 or 1), else on."""
-    import os
-
-    if value is not None:
-        return value
-    switch = os.environ.get(variable, "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"{variable}={switch!r}: expected {expected}")
-    return switch == "1"
 
 
 def unpatch() -> None:

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         world_sizes = arguments.world_sizes or check.default_world_sizes()
         check.validate(arguments.strategies, world_sizes)
         case = _case(arguments, world_sizes)
-        print(check.describe(case), file=sys.stderr, flush=True)
+        print(check.case_summary(case), file=sys.stderr, flush=True)
         with contextlib.redirect_stdout(sys.stderr):  # pyvene prints on import; stdout is the table's, or the JSON's
             patch()
             rows = check.run(case, arguments.strategies, world_sizes, progress=progress)

@@ -1,211 +1,35 @@
-"""What a fix is (``Fix``, ``Site``), and the record of every wrap pyvene_dist installs, so that
-``unpatch()`` puts back the very objects it found.
-
-Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is
-built on, the upstream packages whose ``FIXES`` retire it, and the releases it was checked on.
-``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
+"""The record of every wrap pyvene_dist installs (``REGISTRY``), so that ``unpatch()`` puts back the very
+objects it found; the fixes' records (``Fix``, ``Site``) are ``_records``'.
 
 A wrap is recorded as (owner, attribute, original, proxy): ``owner`` is the module or class whose
 ``__dict__`` defines the attribute, ``original`` is what that ``__dict__`` held (the raw function,
 ``staticmethod`` or ``classmethod`` object, never a bound method), and ``proxy`` is the
 ``wrapt.FunctionWrapper`` put in its place. Restoring writes ``original`` back, in reverse order.
 
-Patches name the class that *defines* a method (``BaseModel.named_parameters``, not
-``IntervenableModel.named_parameters``): wrapping through a subclass would shadow the base
-definition, and a later pyvene release that moves the method would go unnoticed. Here it fails loudly.
-
-Modules that may be imported after ``patch()`` (pyreft, ``transformers.trainer``) are patched by a
-post-import hook; hooks cannot be unregistered from wrapt, so they stay installed and do nothing
-while unpatched.
+Modules that may be imported after ``patch()`` (pyreft, ``transformers.trainer``) are patched right
+after their import by ``_imports.ImportHook``, a finder on ``sys.meta_path`` while some are awaited;
+``unpatch()`` takes it off, so ``sys.meta_path`` is as ``patch()`` found it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib
-import inspect
 import sys
-import textwrap
 import types
-import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import wrapt
 
+from ._imports import ImportHook, is_importing
+from ._options import Options
+from ._records import FixError
 from ._state import ModelStates
-from ._versions import ALLOW_ENV, UnsupportedVersionError
 
 _MISSING = object()
-#: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and
-#: ``transformers.trainer`` is slow to import.
-IMPORTED_LATER = ("pyreft", "transformers.trainer")
-KINDS = ("wrap", "replace", "add", "entry")
 
 
-class FixError(RuntimeError):
-    """A fix could not be applied; its message names the fix and the cause."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What ``patch()`` was asked for, handed to each fix's ``on_patch`` and kept while patched
-    (``REGISTRY.options``), where the fixes read their switches at run time."""
-
-    allow_unsupported: bool = False
-    #: ``orthogonal``'s CUDA graphs; ``patch()`` resolves None from PYVENE_DIST_CUDA_GRAPHS.
-    cuda_graphs: bool | None = None
-    #: ``fast_path``'s switch; ``patch()`` resolves None from PYVENE_DIST_FAST_PATH.
-    fast_path: bool | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One symbol a fix changes: ``"module:Qualified.attr"``.
-
-    ``kind`` says how: ``wrap`` puts a ``wrapt.FunctionWrapper`` calling ``wrapper`` around the original
-    (which the wrapper calls); ``replace`` does the same with a wrapper that never calls the original,
-    so the original's source must be the one the replacement was written from (``fingerprint``, checked
-    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value); ``entry``
-    puts a plain function in place of what the owner holds now (another fix's wrap, or the original):
-    ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
-    traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
-    ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
-    """
-
-    path: str
-    wrapper: Any
-    kind: str = "wrap"
-    fingerprint: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"Site {self.path!r}: kind={self.kind!r}, expected one of {KINDS}")
-        if (self.kind == "replace") != (self.fingerprint is not None):
-            raise ValueError(f"Site {self.path!r}: a fingerprint goes with kind='replace' and only with it")
-        if self.path.count(":") != 1:
-            raise ValueError(f"Site {self.path!r}: expected 'module:Qualified.attr'")
-
-    @property
-    def module(self) -> str:
-        return self.path.split(":")[0]
-
-    @property
-    def attribute(self) -> str:
-        return self.path.rsplit(".", 1)[-1].split(":")[-1]
-
-    def owner(self, module: Any) -> Any:
-        """The module or class whose ``__dict__`` holds the attribute."""
-        qualified = self.path.split(":")[1]
-        return functools.reduce(getattr, qualified.split(".")[:-1], module)
-
-    @property
-    def imported_later(self) -> bool:
-        return any(self.module == name or self.module.startswith(name + ".") for name in IMPORTED_LATER)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fix:
-    """One failure mode's fix: everything ``patch()``, the docs and the tests need to know about it.
-
-    Declared once per fix module as ``FIX = Fix(__name__, sites=(...), ...)``; its name is the module's.
-    """
-
-    module: str
-    sites: tuple[Site, ...]
-    #: Fixes whose runtime code or behaviour this one is built on: applied with it, before it.
-    requires: tuple[str, ...] = ()
-    #: Fixes this one is applied after when they are applied too, without pulling them in (an ``entry``
-    #: site stacks on the wraps of the same attribute).
-    after: tuple[str, ...] = ()
-    #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
-    #: empty for a runtime-only fix (docs/upstreaming.md says why each is).
-    upstream: tuple[str, ...] = ()
-    #: distribution -> the releases this fix was checked on (a specifier); only applied fixes count.
-    checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``), or the name of that class in the
-    #: fix's module: made without arguments, with a ``close()`` that undoes what it holds.
-    state: type | str | None = None
-    #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
-    on_patch: Callable[[Options], None] | str | None = None
-    #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
-    #: (hooks they registered, graphs they captured).
-    on_unpatch: Callable[[], None] | str | None = None
-
-    @functools.cached_property  # read on hot paths (``FIX.name in REGISTRY.applied``)
-    def name(self) -> str:
-        return self.module.rsplit(".", 1)[-1]
-
-    def resolve(self, value: Any) -> Any:
-        """``value``, or the object of the fix's module it names."""
-        if not isinstance(value, str):
-            return value
-        try:
-            return getattr(importlib.import_module(self.module), value)
-        except AttributeError:
-            raise AttributeError(f"the fix {self.name!r} names {value!r}, which {self.module} lacks") from None
-
-    def patch(self, registry: "Registry", options: Options = Options()) -> None:
-        """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
-        registry.applied.add(self.name)
-        if self.on_patch is not None:
-            self.resolve(self.on_patch)(options)
-        if self.on_unpatch is not None:
-            registry.on_restore(self.resolve(self.on_unpatch))
-        by_module: dict[str, list[Site]] = {}
-        for site in self.sites:
-            by_module.setdefault(site.module, []).append(site)
-        for module_name, sites in by_module.items():
-            apply = functools.partial(_apply_sites, self, tuple(sites), registry, options)
-            if sites[0].imported_later:
-                registry.when_imported(module_name, apply, fix=self.name)
-            else:
-                apply(importlib.import_module(module_name))
-
-
-def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", options: Options, module: Any) -> None:
-    for site in sites:
-        owner = site.owner(module)
-        if site.kind == "add":
-            registry.add(owner, site.attribute, fix.resolve(site.wrapper))
-            continue
-        if site.kind == "entry":
-            registry.enter(owner, site.attribute, fix.resolve(site.wrapper))
-            continue
-        if site.kind == "replace" and registry.find(owner, site.attribute) is None:
-            _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
-        registry.wrap(owner, site.attribute, fix.resolve(site.wrapper))
-
-
-def fingerprint(original: Any) -> str:
-    """The first 16 hex digits of the SHA-256 of ``original``'s source (dedented)."""
-    function = getattr(original, "__func__", original)
-    source = textwrap.dedent(inspect.getsource(function))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def _check_fingerprint(fix: Fix, site: Site, original: Any, options: Options) -> None:
-    try:
-        found = fingerprint(original)
-    except (TypeError, OSError):  # no source to read: no fingerprint either
-        found = "none"
-    if found == site.fingerprint:
-        return
-    message = (
-        f"pyvene_dist's fix {fix.name!r} replaces {site.path}, written from the source with fingerprint "
-        f"{site.fingerprint}; the installed one has {found}, so the replacement may drop what changed"
-    )
-    if options.allow_unsupported:
-        warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=4)
-        return
-    raise UnsupportedVersionError(
-        f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set "
-        f"{ALLOW_ENV}=1."
-    )
-
-
-def describe(owner: Any) -> str:
+def qualified_name(owner: Any) -> str:
     """``pyvene.models.intervenable_base.BaseModel`` for a class, the module name for a module."""
     if isinstance(owner, type):
         return f"{owner.__module__}.{owner.__qualname__}"
@@ -221,7 +45,7 @@ class Wrap:
 
     @property
     def name(self) -> str:
-        return f"{describe(self.owner)}.{self.attribute}"
+        return f"{qualified_name(self.owner)}.{self.attribute}"
 
 
 def is_entry(value: Any) -> bool:
@@ -260,7 +84,7 @@ class Registry:
     def __init__(self) -> None:
         self._sites: list[Wrap] = []
         self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
-        self._hooked_modules: set[str] = set()
+        self._import_hook = ImportHook(self._deferred, self._on_import)
         self._on_restore: list[Callable[[], None]] = []
         #: What the fixes keep per pyvene model (``pyvene_dist._state``); ``restore_all`` closes it all.
         self.models = ModelStates()
@@ -295,7 +119,7 @@ class Registry:
         original = vars(owner).get(attribute, _MISSING)
         if original is _MISSING:
             raise AttributeError(
-                f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
+                f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
                 "that defines it. The installed version differs from the one this patch was written for."
             )
         proxy = _MethodWrapper(original, wrapper)
@@ -309,11 +133,11 @@ class Registry:
         if is_entry(current):
             return
         if current is _MISSING:
-            raise AttributeError(f"{describe(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
+            raise AttributeError(f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
                                  "that defines it. The installed version differs from the one this patch was written for.")
         entry = make_entry(current)
         if not isinstance(entry, types.FunctionType):
-            raise TypeError(f"the entry for {describe(owner)}.{attribute} is {entry!r}, expected a plain function")
+            raise TypeError(f"the entry for {qualified_name(owner)}.{attribute} is {entry!r}, expected a plain function")
         functools.update_wrapper(entry, getattr(current, "__wrapped__", current))
         entry.__wrapped__, entry.__pyvene_dist_entry__ = current, True  # inspect.signature follows __wrapped__
         setattr(owner, attribute, entry)
@@ -325,7 +149,7 @@ class Registry:
             return
         if attribute in vars(owner):
             raise AttributeError(
-                f"{describe(owner)} already defines {attribute!r}; pyvene_dist would replace it rather than add it. "
+                f"{qualified_name(owner)} already defines {attribute!r}; pyvene_dist would replace it rather than add it. "
                 "The installed version differs from the one this patch was written for."
             )
         setattr(owner, attribute, value)
@@ -338,16 +162,17 @@ class Registry:
         ``unpatch()``) and raises ``FixError`` naming ``fix`` and the cause from the user's import.
         """
         module = sys.modules.get(module_name)
-        if module is not None and not _is_importing(module):
+        if module is not None and not is_importing(module):
             apply(module)
             return
         self._deferred.setdefault(module_name, []).append((fix, apply))
-        if module_name not in self._hooked_modules:
-            wrapt.register_post_import_hook(functools.partial(self._on_import, module_name), module_name)
-            self._hooked_modules.add(module_name)
+        self._import_hook.install()
 
     def _on_import(self, module_name: str, module: Any) -> None:
-        for fix, apply in self._deferred.pop(module_name, []):
+        pending = self._deferred.pop(module_name, [])
+        if not self._deferred:
+            self._import_hook.uninstall()
+        for fix, apply in pending:
             try:
                 apply(module)
             except Exception as error:
@@ -385,6 +210,7 @@ class Registry:
                 setattr(site.owner, site.attribute, site.original)
         self._sites.clear()
         self._deferred.clear()
+        self._import_hook.uninstall()
         self.active = False
         self.options = None
         self.applied = set()
@@ -392,11 +218,6 @@ class Registry:
         undo, self._on_restore = self._on_restore, []
         for step in reversed(undo):
             step()
-
-
-def _is_importing(module: Any) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
 
 
 REGISTRY = Registry()

@@ -5,13 +5,13 @@ wrong thing and give a silently wrong result. Each fix's record says which relea
 (``Fix.checked``); ``patch()`` compares the installed releases with those of the fixes it applies (a fix
 upstream carries is not applied, so its range does not count), and refuses a mismatch unless told
 otherwise, with ``patch(allow_unsupported=True)`` or ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``.
-The variable takes ``1``/``true``/``yes`` (on) and ``0``/``false``/``no`` or empty (off), in any case;
-anything else is refused, so that ``=false`` cannot turn the override on.
+The variable is a switch like every one of ``patch()`` (``_options.switch``): ``1``/``true``/``yes``/``on``
+or ``0``/``false``/``no``/``off`` in any case, empty for off; anything else is refused, so that a typo cannot
+turn the override on.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from importlib import metadata
 from typing import Iterable
@@ -19,14 +19,15 @@ from typing import Iterable
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ._options import VARIABLES
+
 #: Distribution -> releases pyvene_dist as a whole needs, whichever fixes it applies: the ones tested. torch:
 #: 2.11 on the H200s, 2.13 on CPU (and ``fixes.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``);
 #: transformers: 5.17 on the H200s, 5.24 on CPU (4.x's checkpointing is simulated in tests, never run).
 REQUIRED: dict[str, str] = {"transformers": ">=5.17,<5.25", "torch": ">=2.11,<2.14"}
 #: Distributions that may be missing (their fixes then have nothing to fix).
 OPTIONAL = frozenset({"pyreft"})
-ALLOW_ENV = "PYVENE_DIST_ALLOW_UNSUPPORTED"
-ALLOW_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
+ALLOW_ENV = VARIABLES["allow_unsupported"][0]  # PYVENE_DIST_ALLOW_UNSUPPORTED
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -62,25 +63,6 @@ def mismatches(fixes: Iterable) -> list[str]:
         elif not SpecifierSet(specifier).contains(Version(version), prereleases=True):
             problems.append(f"{distribution} {version} is installed; pyvene_dist supports {distribution}{specifier}{who}")
     return problems
-
-
-def allowed(allow_unsupported: bool | None) -> bool:
-    if allow_unsupported is None:
-        return allowed_by_environment()
-    return allow_unsupported
-
-
-def allowed_by_environment() -> bool:
-    """``PYVENE_DIST_ALLOW_UNSUPPORTED`` read as a switch; a value that is none of ``ALLOW_VALUES`` is refused."""
-    value = os.environ.get(ALLOW_ENV, "")
-    try:
-        return ALLOW_VALUES[value.strip().lower()]
-    except KeyError:
-        accepted = ", ".join(repr(v) for v in ALLOW_VALUES if v)
-        raise ValueError(
-            f"{ALLOW_ENV}={value!r} is not a switch value; use one of {accepted} (case does not matter), "
-            "or leave it unset or empty"
-        ) from None
 
 
 def check(fixes: Iterable, allow_unsupported: bool) -> None:

@@ -220,7 +220,7 @@ def _log_tail(log: Path, lines: int = 20) -> str:
     return "\n--- rank 0 output, last lines:\n" + "\n".join(tail) if tail else ""
 
 
-def describe(case: CheckCase) -> str:
+def case_summary(case: CheckCase) -> str:
     """One line saying what is trained, including what was chosen to fit the model."""
     from .testing.check_runs import has_weights
 

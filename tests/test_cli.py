@@ -59,7 +59,7 @@ def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
     assert list(rows) == [fix.name for fix in fixes()]
     assert all(row["applied"] and not row["reason"] for row in rows.values())  # CI's releases are the checked ones
     assert rows["hooks"]["checked"] == {"pyvene": "==0.1.8"} and rows["hooks"]["installed"] == {"pyvene": "0.1.8"}
-    assert rows["trainer"]["fixes"] == "HF Trainer and pyreft's trainers work together with no extra arguments."
+    assert rows["pyreft_trainer"]["fixes"] == "pyreft's trainers work with HF Trainer as it is today, under torchrun too."
     code, out, _ = run(capsys, "fixes")
     assert code == 0 and out.splitlines()[-1] == f"{len(rows)} of {len(rows)} fixes applied here by pyvene_dist.patch()"
     assert "hooks: applied; checked on pyvene==0.1.8" in out.splitlines()
@@ -72,10 +72,11 @@ def test_fixes_says_which_a_newer_pyvene_would_leave_out_and_why(capsys, monkeyp
     rows = {row["name"]: row for row in json.loads(out)}
     refused = {name for name, row in rows.items() if not row["applied"]}
     # By hand from the records: checked on pyvene ==0.1.8 exactly (data_parallel, orthogonal, tensor_parallel and
-    # fast_path, which compares pyvene's sources itself, take >=0.1.8; consistency, fsdp, householder and
-    # weight_decay do not depend on pyvene).
+    # fast_path, which compares pyvene's sources itself, take >=0.1.8; consistency, fsdp, householder,
+    # weight_decay, pyreft_trainer and hf_trainer do not depend on pyvene).
     assert refused == set(rows) - {"data_parallel", "orthogonal", "tensor_parallel", "fast_path", "consistency",
-                                   "fsdp", "householder", "weight_decay", "trainer"}
+                                   "fsdp", "householder", "weight_decay", "pyreft_trainer",
+                                   "hf_trainer"}
     assert rows["hooks"]["reason"] == ("patch() refuses: pyvene 0.2.0 is installed; pyvene_dist supports "
                                        "pyvene==0.1.8 (checked for the fixes hooks)")
 

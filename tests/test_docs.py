@@ -780,3 +780,64 @@ def test_every_row_says_where_it_came_from():
         run = next((line for line in table.read_text().splitlines() if line.startswith("Run: ")), "")
         assert re.match(r"Run: commit [0-9a-f]{7}.*, \d{4}-\d\d-\d\d, .*(H200|CPU).*torch .*; run id \S+\.$", run), (
             f"{table.relative_to(ROOT)} has no line 'Run: commit <sha>, <date>, <machine>, <versions>; run id <id>.'")
+
+
+# --- names the pages quote resolve in the code ----------------------------------------------------------------
+
+#: Pages that quote the package's names: the docs, the README, and patches/README.md.
+QUOTING = [*PAGES, ROOT / "patches" / "README.md"]
+#: A site path: "module:Qualified.attr" in one of the packages pyvene_dist patches.
+SITE_PATH = re.compile(r"^((?:pyvene|pyreft|transformers|torch)(?:\.\w+)*):(\w+(?:\.\w+)*)$")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` (``pyvene_dist.x.y``) is a module or an attribute of one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                found = getattr(found, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _quoted_names(page: Path) -> list[str]:
+    """The package's names ``page`` quotes: ``pyvene_dist.…`` and ``fixes.…`` in backticks, site paths in
+    backticks, and the paths given to ``Site(...)`` in its code."""
+    text = page.read_text()
+    found = []
+    for span in re.findall(r"`([^`\n]+)`", text):
+        dotted = re.match(r"(?:pyvene_dist|fixes)(?:\.\w+)+", span)
+        if dotted:
+            found.append(dotted.group().replace("fixes.", "pyvene_dist.fixes.", 1) if span.startswith("fixes.")
+                         else dotted.group())
+        elif SITE_PATH.match(span):
+            found.append(span)
+    return found + [f"Site {path}" for path in re.findall(r"Site\(\s*f?\"([^\"]+)\"", text)]
+
+
+@pytest.mark.parametrize("page", QUOTING, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_name_a_page_quotes_is_in_the_code(page):
+    """A page's ``pyvene_dist.…``/``fixes.…`` names resolve, and the site paths it quotes are sites of the
+    records (docs/architecture.md showed a site of ``locations`` no fix wraps any more, and patches/README.md
+    named ``fixes.RUNTIME_ONLY`` after it was gone)."""
+    from pyvene_dist.fixes import fixes
+
+    places = {place.path for fix in fixes() for place in fix.places}
+    missing = []
+    for name in _quoted_names(page):
+        if name.startswith("Site ") or SITE_PATH.match(name):
+            path = name.removeprefix("Site ")
+            if path not in places:
+                missing.append(f"{path} (no fix's site)")
+        elif not _resolves(name):
+            missing.append(name)
+    assert not missing, f"{page.relative_to(ROOT)} quotes names the code lacks: {missing}"

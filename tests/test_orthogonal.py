@@ -174,7 +174,7 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
     """``patch(cuda_graphs=...)`` wins over the environment, and the rotation asks for graphs only when on."""
     monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "0" if cuda_graphs else "1")
     asked = []
-    monkeypatch.setattr(graphed, "rotation", lambda orthogonal, X: asked.append(X) and None)
+    monkeypatch.setattr(graphed, "replayed_rotation", lambda orthogonal, X: asked.append(X) and None)
     rotate = _rotation()
     with pyvene_dist.patched(cuda_graphs=cuda_graphs):
         assert REGISTRY.options.cuda_graphs is cuda_graphs
@@ -197,8 +197,8 @@ def test_a_bad_cuda_graphs_argument_is_refused_naming_it():
 
 
 def test_a_bad_switch_is_refused_naming_it(monkeypatch):
-    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "yes")
-    with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='yes': expected 0 .* or 1"):
+    monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", "2")
+    with pytest.raises(ValueError, match=r"PYVENE_DIST_CUDA_GRAPHS='2': expected one of 1, true, yes, on"):
         pyvene_dist.patch()
     assert not pyvene_dist.is_patched()
 
@@ -358,11 +358,11 @@ def test_no_graph_inside_a_capture(patched):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.no_grad():
         for _ in range(graphed.WARM_CALLS + 1):
-            graphed.rotation(orthogonal, X)
+            graphed.replayed_rotation(orthogonal, X)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
-        assert graphed.rotation(orthogonal, X) is None
+        assert graphed.replayed_rotation(orthogonal, X) is None
         captured = orthogonal(X)  # torch's kernels, captured into the caller's graph
     graph.replay()
     with torch.no_grad():

@@ -50,7 +50,7 @@ def test_every_site_of_every_fix_is_wrapped_then_restored():
     out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
     from pyvene_dist.fixes import select
 
-    declared = sorted(site.path for fix in select() for site in fix.sites)
+    declared = sorted(site.path for fix in select() for site in fix.places)
     assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("wrapped ")) == declared
     assert sorted(line.split(" ", 1)[1] for line in out if line.startswith("restored ")) == declared
 
@@ -136,8 +136,7 @@ def test_version_guard_refuses_other_override_values(monkeypatch):
     monkeypatch.setenv(_versions.ALLOW_ENV, "maybe")
     with pytest.raises(ValueError) as error:
         pyvene_dist.patch()
-    assert str(error.value).startswith("PYVENE_DIST_ALLOW_UNSUPPORTED='maybe' is not a switch value")
-    assert "'1', 'true', 'yes', '0', 'false', 'no'" in str(error.value)
+    assert str(error.value).startswith("PYVENE_DIST_ALLOW_UNSUPPORTED='maybe': expected one of 1, true, yes, on")
     assert not pyvene_dist.is_patched()
 
 
@@ -159,7 +158,7 @@ def test_unpatch_refuses_when_someone_replaced_a_site():
 def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
-    from pyvene_dist._registry import Fix
+    from pyvene_dist._records import Fix
     from pyvene_dist.fixes import fixes
 
     original = vars(BaseModel)["named_parameters"]
@@ -220,10 +219,43 @@ def test_an_unknown_fix_is_refused_naming_it_and_the_known_ones(argument):
         pyvene_dist.patch(**{argument: ["tensor_paralel"]})
     with pytest.raises(TypeError, match=rf"{argument}='hooks': expected a collection of fix names"):
         pyvene_dist.patch(**{argument: "hooks"})
-    with pytest.raises(ValueError, match=rf"{argument}: unknown fix 'checkpointing' \('checkpointing' is now "
-                                         r"'gradient_checkpointing'\); known fixes: "):
-        pyvene_dist.patch(**{argument: ["checkpointing"]})  # the name before issue 19
     assert not pyvene_dist.is_patched()
+
+
+@pytest.mark.parametrize("old, new", [("trainer", {"pyreft_trainer", "hf_trainer"}),  # split in issue 29
+                                      ("checkpointing", {"gradient_checkpointing"})])  # renamed in issue 19
+def test_an_old_fix_name_stands_for_the_fixes_it_became(old, new):
+    from pyvene_dist import fixes
+
+    every = {fix.name for fix in fixes.fixes()}
+    with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
+        assert {fix.name for fix in fixes.select(exclude=[old])} == every - new - fixes.upstreamed()
+    with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
+        assert {fix.name for fix in fixes.select(only=[old])} >= new
+
+
+def test_excluding_trainer_leaves_hf_trainer_and_pyreft_trainer_unwrapped():
+    import pyreft.reft_trainer  # noqa: F401 (patched on import otherwise: here it is imported already)
+    from pyreft.reft_trainer import ReftTrainer
+    from transformers.trainer import Trainer
+
+    import pyvene_dist
+
+    with pytest.warns(DeprecationWarning), pyvene_dist.patched(exclude=["trainer"]):
+        assert not _wrapped(Trainer, "_set_signature_columns_if_needed") and not _wrapped(ReftTrainer, "compute_loss")
+        assert "train" not in vars(ReftTrainer)
+    with pyvene_dist.patched():
+        assert _wrapped(Trainer, "_set_signature_columns_if_needed") and _wrapped(ReftTrainer, "compute_loss")
+
+
+def test_a_package_carrying_the_old_trainer_name_carries_both_halves(tmp_path, monkeypatch):
+    from pyvene_dist import fixes
+
+    package = tmp_path / "carries_trainer_for_pyvene_dist"
+    package.mkdir()
+    (package / "__init__.py").write_text('FIXES = frozenset({"trainer", "deepspeed"})\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fixes.carried_fixes(package.name) == {"pyreft_trainer", "hf_trainer", "deepspeed"}
 
 
 def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_carry(monkeypatch):
@@ -273,18 +305,19 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
     code = (
         "import pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
-        "from pyvene_dist._registry import REGISTRY, FixError\n"
-        "from pyvene_dist.fixes import trainer\n"
+        "from pyvene_dist._records import FixError\n"
+        "from pyvene_dist._registry import REGISTRY\n"
+        "from pyvene_dist.fixes import pyreft_trainer\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
-        "del trainer._wrap_evaluate\n"
+        "del pyreft_trainer._wrap_evaluate\n"
         "try:\n"
         "    import pyreft\n"
         "except FixError as error:\n"
         "    message = str(error)\n"
         "else:\n"
         "    raise SystemExit('import pyreft did not fail')\n"
-        "assert \"fix 'trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
+        "assert \"fix 'pyreft_trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
         "assert \"names '_wrap_evaluate'\" in message and 'every fix was undone' in message, message\n"
         "assert not pyvene_dist.is_patched() and not REGISTRY.sites\n"
         "assert vars(BaseModel)['named_parameters'] is original\n"
@@ -304,3 +337,129 @@ def test_no_fix_rebinds_a_module_global():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, (ast.Global, ast.Nonlocal))]
     assert not found, f"fixes rebinding module globals: {found}"
+
+
+#: Fixes whose module another fix's code uses without naming it in ``requires`` or ``after``, and why.
+USES_WITHOUT_RECORD = {
+    ("orthogonal", "householder"): "householder requires orthogonal; orthogonal takes its backward only where "
+                                   "REGISTRY.applied names householder",
+    ("checkpoints", "deepspeed"): "take_partitioned_dtype is part of a load: interventions restored in their saved "
+                                  "dtypes must take a ZeRO-3 bf16 partition's dtype again, whether or not "
+                                  "deepspeed's wraps are applied (pyvene's checkpoints.diff does the same)",
+}
+
+
+def _fixes_used(path: Path, fix_names: set[str]) -> set[str]:
+    """The other fix modules ``path``'s code imports, anywhere in it: ``from . import x`` (then ``x.f()``),
+    ``from .x import f``, and the same from ``pyvene_dist.fixes``."""
+    import ast
+
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            package = "." * node.level + (node.module or "")
+            package = package.replace("pyvene_dist.fixes", ".", 1) if package.startswith("pyvene_dist.fixes") else package
+            if package in (".", "..fixes"):
+                used.update(alias.name for alias in node.names)
+            elif package.startswith("."):
+                used.add(package.lstrip(".").removeprefix("fixes.").split(".")[0])
+    return used & fix_names
+
+
+def test_each_fix_records_the_fixes_its_code_uses():
+    """``requires`` (applied with it) or ``after`` (used where applied, or their state kept coherent) names every
+    fix whose module a fix's code imports, or ``USES_WITHOUT_RECORD`` says why not: ``exclude=`` then means
+    what it says (``fsdp`` ran ``consistency``'s check with ``consistency`` excluded)."""
+    from pyvene_dist import fixes
+
+    records = fixes.by_name()
+    folder = Path(fixes.__file__).parent
+    unrecorded = sorted(
+        f"{name} uses {other}" for name, fix in records.items()
+        for path in (folder / f"{name}.py", *folder.glob(f"_{name}_*.py"))  # with its private parts
+        for other in _fixes_used(path, set(records) - {name})
+        if other not in fix.requires + fix.after and (name, other) not in USES_WITHOUT_RECORD)
+    assert not unrecorded, f"fixes using others their record does not name: {unrecorded}"
+    stale = sorted(pair for pair in USES_WITHOUT_RECORD if pair[1] not in _fixes_used(folder / f"{pair[0]}.py", {pair[1]}))
+    assert not stale, f"USES_WITHOUT_RECORD lists uses the code no longer has: {stale}"
+
+
+
+def test_no_fix_copies_a_reexport_site_by_hand():
+    """A name star-imported into other modules is one ``Site`` with ``reexported_in`` (fsdp's ``fully_shard``
+    was three sites): the same target under other module paths is a re-export, or a definition of its own."""
+    import importlib
+
+    from pyvene_dist import fixes
+
+    copied = []
+    for fix in fixes.fixes():
+        for site in fix.sites:
+            for other in fix.sites:
+                if other is site or other.path.split(":")[1] != site.path.split(":")[1] or other.kind != site.kind:
+                    continue
+                modules = [importlib.import_module(s.module) for s in (site, other)]
+                if site.owner(modules[0]).__dict__.get(site.attribute) is other.owner(modules[1]).__dict__.get(other.attribute):
+                    copied.append(f"{fix.name}: {other.path} re-exports {site.path}")
+    assert not copied, copied
+
+
+def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
+    import types
+
+    from pyvene_dist._records import Fix, FixError, Site
+    from pyvene_dist._registry import Registry
+
+    def original():
+        return "original"
+
+    defining, reexporting = types.ModuleType("pyvene_dist_defines"), types.ModuleType("pyvene_dist_reexports")
+    defining.f = reexporting.f = original
+    monkeypatch.setitem(sys.modules, defining.__name__, defining)
+    monkeypatch.setitem(sys.modules, reexporting.__name__, reexporting)
+    fix = Fix("tests.reexport", sites=(Site(f"{defining.__name__}:f", lambda wrapped, instance, args, kwargs: "fixed",
+                                            reexported_in=(reexporting.__name__,)),))
+    registry = Registry()
+    fix.patch(registry)
+    assert defining.f() == reexporting.f() == "fixed"
+    registry.restore_all()
+    assert defining.f is original and reexporting.f is original
+
+    def its_own():
+        return "its own"
+
+    reexporting.f = its_own
+    with pytest.raises(FixError, match=r"pyvene_dist_reexports:f is not pyvene_dist_defines's f re-exported"):
+        fix.patch(registry)
+    registry.restore_all()
+    assert defining.f is original and reexporting.f is its_own
+    with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of module names"):
+        Site(f"{defining.__name__}:f", original, reexported_in=reexporting.__name__)
+
+
+def test_unpatch_takes_off_every_import_hook_patch_installed():
+    """Before pyreft's import, patch() waits for it with a finder on sys.meta_path; unpatch() leaves sys.meta_path
+    and wrapt's post-import hooks as patch() found them (wrapt's hooks could not be unregistered), and pyreft
+    imported then is pyreft's own."""
+    code = (
+        "import sys, wrapt.importer as importer, pyvene_dist, pyvene, transformers  # their finders come with them\n"
+        "meta_path, hooks = list(sys.meta_path), {k: list(v) for k, v in importer._post_import_hooks.items()}\n"
+        "pyvene_dist.patch()\n"
+        "added = [finder for finder in sys.meta_path if finder not in meta_path]\n"
+        "assert 'pyreft' not in sys.modules and [type(f).__name__ for f in added] == ['ImportHook'], sys.meta_path\n"
+        "pyvene_dist.unpatch()\n"
+        "assert sys.meta_path == meta_path, (sys.meta_path, meta_path)\n"
+        "assert {k: list(v) for k, v in importer._post_import_hooks.items()} == hooks, importer._post_import_hooks\n"
+        "import pyreft.reft_trainer as reft_trainer, wrapt\n"
+        "assert not isinstance(vars(reft_trainer.ReftTrainer)['compute_loss'], wrapt.FunctionWrapper)\n"
+        "assert reft_trainer.__loader__ is reft_trainer.__spec__.loader and type(reft_trainer.__loader__).__module__ "
+        "!= 'pyvene_dist._imports'\n"
+        "pyvene_dist.patch()\n"
+        "assert isinstance(vars(reft_trainer.ReftTrainer)['compute_loss'], wrapt.FunctionWrapper)\n"
+        "assert sys.meta_path == meta_path  # waits for nothing: transformers.trainer came with pyreft\n"
+        "pyvene_dist.unpatch()\n"
+        "assert sys.meta_path == meta_path\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr

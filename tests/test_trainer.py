@@ -76,3 +76,24 @@ def test_unknown_keywords_still_fail_loudly(patched, tmp_path):
     trainer = pyreft.ReftTrainer(model=model, args=args)
     with pytest.raises(TypeError):
         trainer.compute_loss(model)  # inputs missing: dropping keywords must not hide real mistakes
+
+
+def test_the_signature_cache_lets_go_of_functions_no_longer_used():
+    """The cache of ``compute_loss`` signatures is bounded: the functions of trainer classes made and dropped
+    (a sweep, a notebook) are not kept alive by it."""
+    import gc
+    import weakref
+
+    from pyvene_dist.fixes.pyreft_trainer import _bound_signature
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        return None
+
+    _bound_signature(compute_loss)
+    first = weakref.ref(compute_loss)
+    del compute_loss
+    for _ in range(100):  # later classes' functions, each asked about once
+        exec("def compute_loss(self, model, inputs):\n    return None", namespace := {})
+        _bound_signature(namespace["compute_loss"])
+    gc.collect()
+    assert first() is None

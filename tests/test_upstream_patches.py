@@ -149,7 +149,8 @@ def test_upstreamed_needs_every_package_and_counts_a_missing_optional_one(monkey
     monkeypatch.setattr(fixes, "carried_fixes", lambda package: carried[package])
     assert fixes.upstreamed() == {"hooks", "gradient_checkpointing"}
     carried["pyreft"] = None  # not installed: nothing of pyreft to fix
-    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing", "deepspeed", "trainer", "weight_decay"}
+    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing", "deepspeed", "pyreft_trainer", "hf_trainer",
+                                   "weight_decay"}
 
 
 def test_fixes_are_read_without_importing_the_package(tmp_path, monkeypatch):

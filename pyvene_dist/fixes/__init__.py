@@ -1,4 +1,4 @@
-"""One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._registry.Fix``).
+"""One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._records.Fix``).
 
 Everything else derives from the records: the order ``patch()`` applies them in (each after the fixes
 it ``requires``, otherwise by name; ``unpatch()`` restores in reverse), which of them upstream already
@@ -17,13 +17,19 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterable
 
-from .._registry import Fix
+from .._records import Fix
 
-#: Fix names that changed: ``patch(only=..., exclude=...)`` with an old one says the new one.
-RENAMED = {"checkpointing": "gradient_checkpointing"}  # beside the checkpoints fix, which saves and loads
+#: Fix names that changed, each with the names it stands for now: ``patch(only=..., exclude=...)`` and a
+#: package's ``FIXES`` take an old name as all of its new ones (``exclude=["trainer"]`` leaves out both halves),
+#: and ``patch()`` warns (``DeprecationWarning``) naming the new ones.
+RENAMED = {
+    "checkpointing": ("gradient_checkpointing",),  # beside the checkpoints fix, which saves and loads
+    "trainer": ("pyreft_trainer", "hf_trainer"),  # one record for two targets: pyreft's trainers, HF Trainer's
+}
 #: Packages that may be missing; a missing one has nothing to fix.
 OPTIONAL_PACKAGES = frozenset({"pyreft"})
 
@@ -104,12 +110,21 @@ def _names(argument: str, names: Iterable[str], known: dict[str, Fix]) -> set[st
     if isinstance(names, str):
         raise TypeError(f"{argument}={names!r}: expected a collection of fix names, such as ({names!r},)")
     names = set(names)
+    old = sorted(names & set(RENAMED))
+    if old:
+        now = "; ".join(f"{name!r} is now {' and '.join(map(repr, RENAMED[name]))}" for name in old)
+        warnings.warn(f"pyvene_dist.patch({argument}=...): {now}; the old names stop working in a later release",
+                      DeprecationWarning, stacklevel=4)
+    names = _current(names)
     unknown = sorted(names - set(known))
     if unknown:
-        renamed = "".join(f" ({old!r} is now {RENAMED[old]!r})" for old in unknown if old in RENAMED)
-        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}{renamed}; "
-                         f"known fixes: {', '.join(known)}")
+        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}; known fixes: {', '.join(known)}")
     return names
+
+
+def _current(names: Iterable[str]) -> set[str]:
+    """``names`` with each old name (``RENAMED``) replaced by the names it stands for now."""
+    return {new for name in names for new in RENAMED.get(name, (name,))}
 
 
 def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:
@@ -129,13 +144,13 @@ def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:
 
 
 def carried_fixes(package: str) -> frozenset[str] | None:
-    """The names in ``package.FIXES`` (empty for a release without it; None when it is not installed).
+    """The names in ``package.FIXES``, old names as their new ones (empty for a release without it; None when it is not installed).
 
     Read from the package's ``__init__.py`` when it is not imported yet: ``patch()`` never imports pyreft.
     """
     module = sys.modules.get(package)
     if module is not None and hasattr(module, "FIXES"):
-        return frozenset(module.FIXES)
+        return frozenset(_current(module.FIXES))
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         return None
@@ -144,5 +159,5 @@ def carried_fixes(package: str) -> frozenset[str] | None:
             value = node.value
             if isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("frozenset", "set") and value.args:
                 value = value.args[0]
-            return frozenset(ast.literal_eval(value))
+            return frozenset(_current(ast.literal_eval(value)))
     return frozenset()

@@ -10,6 +10,11 @@ def intervenable_models(model) -> list:
     return [] if model is None else [module for module in model.modules() if isinstance(module, BaseModel)]
 
 
+def is_replica(module) -> bool:
+    """Whether ``module`` is a DataParallel replica (torch's ``replicate`` marks them ``_is_replica``)."""
+    return getattr(module, "_is_replica", False)
+
+
 def holds_intervenable_model(model) -> bool:
     return bool(intervenable_models(model))
 

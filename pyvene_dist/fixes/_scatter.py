@@ -127,7 +127,7 @@ class _Splitter:
             elif "->" in key:
                 if not (isinstance(item, (list, tuple)) and len(item) == 2):
                     raise ValueError(f"{where} cannot be split by batch: expected (source locations, base "
-                                     f"locations), got {_describe(item)}")
+                                     f"locations), got {_what_it_is(item)}")
                 units = self._units(key)
                 sides = [self._side(side, units, f"{where}[{i}]") for i, side in enumerate(item)]
                 pieces[key] = [type(item)(pair) if isinstance(item, tuple) else list(pair) for pair in zip(*sides)]
@@ -172,7 +172,7 @@ class _Splitter:
             return list(torch.split(side, self.sizes, dim=1))
         if not isinstance(side, (list, tuple)):
             raise ValueError(f"{where} cannot be split by batch: expected one entry per intervention, "
-                             f"got {_describe(side)}")
+                             f"got {_what_it_is(side)}")
         if units and len(side) != len(units):
             raise ValueError(f"{where} has {len(side)} entries; expected one per intervention ({len(units)})")
         entries = [self._entry(entry, units[i] if units else None, f"{where}[{i}]") for i, entry in enumerate(side)]
@@ -184,7 +184,7 @@ class _Splitter:
         if unit is not None and "." in unit:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
                 raise ValueError(f"{where} is for unit {unit!r}: expected a pair of per-example locations, "
-                                 f"got {_describe(entry)}")
+                                 f"got {_what_it_is(entry)}")
             levels = [self.per_example(level, f"{where}[{i}]") for i, level in enumerate(entry)]
             return [type(entry)(pair) for pair in zip(*levels)]
         return self.per_example(entry, where)
@@ -244,7 +244,7 @@ def _transpose_list(pieces: list[Pieces], chunks: int) -> Pieces:
     return [[value[i] for value in pieces] for i in range(chunks)]
 
 
-def _describe(value: Any) -> str:
+def _what_it_is(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"[:120]

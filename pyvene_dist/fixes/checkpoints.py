@@ -69,7 +69,7 @@ import os
 import torch
 from torch import nn
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 PYVENE = "pyvene.models.intervenable_base"
 PYREFT = "pyreft"
@@ -116,11 +116,11 @@ def _wrap_loreft_state_dict(wrapped, instance, args, kwargs):
     if not whole_here(instance.rotate_layer.parametrizations.weight.original):
         return wrapped()  # partitioned here (ZeRO-3): pyreft's read, whose module call gathers the rotation
     state = collections.OrderedDict(instance.learned_source.state_dict())
-    state["rotate_layer"] = rotation(instance.rotate_layer).data
+    state["rotate_layer"] = rotation_without_hooks(instance.rotate_layer).data
     return state
 
 
-def rotation(layer: nn.Module) -> torch.Tensor:
+def rotation_without_hooks(layer: nn.Module) -> torch.Tensor:
     """A parametrized layer's ``weight``, computed by each parametrization's own ``forward`` instead of a
     call of the module: a read fires no module hooks. ZeRO-3's hooks fetch and release parameters and
     count the calls, which every rank must make alike; a save on rank 0 alone would otherwise leave the

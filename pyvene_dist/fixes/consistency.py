@@ -14,7 +14,7 @@ Checked with torch 2.11 (nccl) and 2.13 (gloo).
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ._models import intervenable_models
 
 FIX = Fix(
@@ -30,7 +30,7 @@ def _wrap_ddp_init(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def describe(model) -> list[tuple]:
+def intervention_rows(model) -> list[tuple]:
     """One row per intervention, in pyvene's order: what every rank must agree on."""
     rows = []
     for key in model.sorted_keys:
@@ -48,7 +48,7 @@ def check_same_interventions(module, group=None) -> None:
     models = intervenable_models(module)
     if not models or not (dist.is_available() and dist.is_initialized()):
         return
-    mine = [describe(model) for model in models]
+    mine = [intervention_rows(model) for model in models]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     differences = [_difference(everyone[0], theirs, rank) for rank, theirs in enumerate(everyone) if theirs != everyone[0]]

@@ -24,8 +24,8 @@ parametrization, first called in DataParallel's threads.
 
 What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
 the names of its hooked modules, found once per model) is kept in the model's state
-(``DataParallelState``). ``is_replica`` is the one reader of torch's private mark of a
-replica, for the fixes that leave replicas alone.
+(``DataParallelState``). ``_models.is_replica`` reads torch's private mark of a replica, for the
+fixes that leave replicas alone.
 
 Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
 as a vector, which HF Trainer averages (``loss.mean()`` when ``n_gpu > 1``).
@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from ._scatter import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(
@@ -52,6 +53,7 @@ FIX = Fix(
         Site("torch.nn.parallel.data_parallel:DataParallel.replicate", "_wrap_replicate"),
         Site("pyvene.models.intervenable_base:BaseModel.get_device", "_wrap_get_device"),
     ),
+    after=("hooks",),  # a replica's hook record is that fix's, where it is applied (removes_only_its_hooks)
     state="DataParallelState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},
 )
@@ -79,11 +81,6 @@ _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
 )
-
-
-def is_replica(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a DataParallel replica (torch's ``replicate`` marks them ``_is_replica``)."""
-    return getattr(module, "_is_replica", False)
 
 
 def _wrap_scatter(wrapped, instance, args, kwargs):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,

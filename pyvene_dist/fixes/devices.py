@@ -28,16 +28,16 @@ import inspect
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 _UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14"),
-        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd"),
-        Site(f"{_BASE}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14"),
-        Site(f"{_BASE}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd"),
+        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14",
+             reexported_in=(_BASE,)),
+        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd",
+             reexported_in=(_BASE,)),
     ),
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},

@@ -42,7 +42,9 @@ from typing import Any
 
 import torch
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
+from ._fast_path_call import Call, _call, _hook
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
@@ -57,7 +59,7 @@ FIX = Fix(
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only; a pyvene whose forward or
     # generate differs from 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
 )
-#: The sources (``_registry.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
+#: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.
 WRITTEN_FROM = {"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"}
 #: Whether the installed pyvene's are those, found when the entries are made (at ``patch()``).
@@ -75,20 +77,6 @@ class Step:
     number: int  # its place in that order (pyvene's per-hook counters of a generate)
     index: int  # its place in ``sorted_keys``: the locations' intervention axis
     intervention: Any
-
-
-@dataclasses.dataclass(eq=False)
-class Call:
-    """One forward's (or one generate's) locations, set on the plan while the base model runs."""
-
-    positions: list  # per intervention (``sorted_keys`` order): int64 [batch, positions]
-    use_fast: bool  # pyvene's flag: the write takes row 0 of the positions for the whole batch
-    #: per intervention, on the hooked output's device: the gather's index (the positions expanded over the
-    #: last dimension), the positions of the write, the batch index; made at the hook's first use.
-    indices: list
-    generating: bool = False
-    on_prompt: bool = False
-    counts: list | None = None  # per hook: pyvene's setter counter of a generate
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,7 +110,7 @@ class FastPathState:
 
 
 def _written_from(name: str, general) -> None:
-    from .._registry import fingerprint
+    from .._records import fingerprint
 
     _same_source[name] = fingerprint(getattr(general, "__wrapped__", general)) == WRITTEN_FROM[name]
 
@@ -292,141 +280,3 @@ def _build(model) -> Plan:
         plan.steps.append(step)
         plan.handles.append(model.intervention_hooks[key](_hook(plan, step), with_kwargs=True))
     return plan
-
-
-# --- one call's locations ------------------------------------------------------------------------------------
-
-def _call(model, base, unit_locations) -> Call | None:
-    """The call's index tensors, or None where its locations take the general path (a form pyvene broadcasts
-    otherwise, source locations, locations that do not fit: the general path says what is wrong)."""
-    if type(unit_locations) is not dict or len(unit_locations) != 1 or type(base) is not dict or not base:
-        return None
-    (key, value), = unit_locations.items()
-    broadcast = True
-    if key == "sources->base" and isinstance(value, (tuple, list)) and len(value) == 2 and value[0] is None:
-        side = value[1]
-        broadcast = isinstance(side, int)
-    elif key != "base":
-        return None
-    else:
-        side = value
-    # pyvene's _broadcast_unit_locations, the base side of each form it expands (it sets use_fast for them)
-    if isinstance(side, int):
-        rows = [[side]]
-    elif key == "base" and isinstance(side, (list, tuple)) and len(side) == 2 and isinstance(side[1], int) \
-            and (side[0] is None or isinstance(side[0], int)):
-        rows = [[side[1]]]
-    elif key == "base" and isinstance(side, list) and side and all(isinstance(v, int) for v in side):
-        rows = [side]
-    else:
-        rows, broadcast = None, False
-    first = next(iter(base.values()))
-    if not isinstance(first, torch.Tensor) or first.dim() < 1:
-        return None
-    batch = first.shape[0]
-    ids = base.get("input_ids", base.get("inputs_embeds"))
-    length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
-    count = len(model.sorted_keys)
-    if broadcast:
-        locations = torch.tensor(rows, dtype=torch.long).expand(count, batch, -1)
-    else:
-        locations = _as_tensor(side, count)
-        if locations is None:
-            return None
-    if locations.dim() != 3 or locations.shape[0] != count or locations.shape[1] not in (1, batch) \
-            or locations.shape[2] == 0:
-        return None
-    if locations.device.type == "cpu" and length is not None and not torch.compiler.is_compiling():
-        low, high = torch.aminmax(locations)
-        if low < 0 or high >= length:  # the general path names the entry and the position
-            return None
-    if locations.shape[1] != batch:  # one row for the whole batch (fixes.locations' repeat_one_row)
-        locations = locations.expand(-1, batch, -1)
-    if broadcast:
-        model.use_fast = True  # as pyvene's broadcast sets it, for this call and every later one
-    locations = locations.to(first.device, non_blocking=True)
-    return Call(positions=locations.unbind(0), use_fast=model.use_fast, indices=[None] * count)
-
-
-def _as_tensor(side, count: int) -> torch.Tensor | None:
-    """The base side's locations, ``[interventions, batch, positions]``: a tensor as given (int64), or lists
-    of equal length made one; None for anything else (ragged, missing entries)."""
-    if isinstance(side, torch.Tensor):
-        return side if side.dtype == torch.long else side.long()
-    if not isinstance(side, (list, tuple)) or len(side) != count:
-        return None
-    try:
-        return torch.tensor(side, dtype=torch.long)
-    except (TypeError, ValueError, RuntimeError):  # ragged, None entries, or one tensor per intervention
-        pass
-    if not all(isinstance(entry, torch.Tensor) for entry in side) or len({entry.shape for entry in side}) != 1:
-        return None
-    return torch.stack(side).long()
-
-
-# --- the hook ------------------------------------------------------------------------------------------------
-
-def _hook(plan: Plan, step: Step):
-    number, index, intervention = step.number, step.index, step.intervention
-
-    def apply_intervention(module, args, kwargs, output):
-        call = plan.call
-        if call is None:
-            return None
-        if call.generating:  # pyvene's hook_callback: skip the prompt, or all but the prompt
-            is_prompt = call.counts[number] == 0
-            if not call.on_prompt or is_prompt:
-                call.counts[number] += 1
-            if call.on_prompt ^ is_prompt:
-                return None
-        value = output[0] if isinstance(output, tuple) else output
-        indices = call.indices[index]
-        if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
-            indices = call.indices[index] = _indices(plan, call, index, value)
-        gathered, written, batch_index = indices
-        # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
-        selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
-        intervened = intervention(selected, None, None)
-        if value.requires_grad and _aliases_saved(plan, number, value):
-            from .hooks import _copy_first
-
-            output = _copy_first(output, _always)
-            value = output[0] if isinstance(output, tuple) else output
-            value[batch_index, written] = intervened
-            return output
-        value[batch_index, written] = intervened
-        return None
-
-    return apply_intervention
-
-
-def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor) -> tuple:
-    positions = call.positions[index]
-    if positions.device != value.device:  # a layer on another device than the input's (device_map)
-        positions = positions.to(value.device, non_blocking=True)
-    batch = positions.shape[0]
-    batch_index = plan.batch_indices.get((batch, value.device))
-    if batch_index is None:
-        batch_index = plan.batch_indices[batch, value.device] = torch.arange(batch, device=value.device)[:, None]
-    written = positions[0] if call.use_fast else positions  # scatter_neurons' `pos` branch
-    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index
-
-
-def _aliases_saved(plan: Plan, number: int, value: torch.Tensor) -> bool:
-    """``hooks.aliases_saved``, asked once per hook and kind of output: whether a tensor aliases a saved one
-    follows from the operations that made it, fixed by the module, the shape, dtype and device (which pick
-    the kernel) and whether saved-tensor hooks are on (``aliases_saved`` skips what they packed)."""
-    if torch.compiler.is_compiling() or value.grad_fn is None:  # a compiled graph is functional: an in-place
-        return False  # write changes nothing it saved; and where nothing recorded, nothing saved
-    key = (number, value.shape, value.dtype, value.device,
-           torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
-    found = plan.aliasing.get(key)
-    if found is None:
-        from .hooks import aliases_saved
-
-        found = plan.aliasing[key] = aliases_saved(value)
-    return found
-
-
-def _always(tensor: torch.Tensor) -> bool:
-    return True

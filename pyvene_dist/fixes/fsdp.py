@@ -32,20 +32,23 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
+from . import consistency
 from ._models import intervenable_models
-from .consistency import check_same_interventions
 from .tensor_parallel import forget_dtensor_parameters
 
 FIX = Fix(
     __name__,
     sites=(
-        Site("torch.distributed.fsdp:fully_shard", "_wrap_fully_shard"),  # each place it is looked up
-        Site("torch.distributed.fsdp._fully_shard:fully_shard", "_wrap_fully_shard"),
-        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard"),
+        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard",
+             reexported_in=("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp")),  # looked up in each
         Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
              "_wrap_fsdp1_init"),
     ),
+    # consistency: its check of the ranks' interventions, where that fix is applied; tensor_parallel: its
+    # record of a model's DTensor parameters, reset when fully_shard makes some.
+    after=("consistency", "tensor_parallel"),
     state="FsdpState",
     checked={"torch": ">=2.11,<2.14"},
 )
@@ -74,6 +77,13 @@ def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return found
 
 
+def _check_same_interventions(module, group) -> None:
+    """``consistency``'s check as FSDP wraps ``module``, where that fix is applied (``exclude=["consistency"]``
+    leaves it out under FSDP as under DDP)."""
+    if consistency.FIX.name in REGISTRY.applied:
+        consistency.check_same_interventions(module, group)
+
+
 def _wrap_fully_shard(wrapped, instance, args, kwargs):
     modules = args[0] if args else kwargs["module"]
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
@@ -83,7 +93,7 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     mesh = kwargs.get("mesh")
     for module in modules:  # the same on every rank of each mesh dimension: the same on the whole mesh
         for group in [mesh.get_group(dim) for dim in range(mesh.ndim)] if mesh is not None else [None]:
-            check_same_interventions(module, group)
+            _check_same_interventions(module, group)
     parameters = {p for model in models for p in model.interventions.parameters()}
     kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | parameters
     sharded = wrapped(*args, **kwargs)
@@ -100,7 +110,7 @@ def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     models = pyvene_models([module])
     interventions = [model.interventions for model in models]
     if interventions:
-        check_same_interventions(module, kwargs.get("process_group"))
+        _check_same_interventions(module, kwargs.get("process_group"))
         device_id = kwargs.get("device_id")
         if device_id is not None:  # FSDP moves what it manages there; sync_module_states wants the rest there too
             device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)

@@ -54,7 +54,8 @@ import torch
 
 from . import hooks
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(

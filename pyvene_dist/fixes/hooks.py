@@ -50,7 +50,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .._registry import Fix
+from .._records import Fix
 
 FIX = Fix(
     __name__,
@@ -58,13 +58,13 @@ _EXACT = (torch.float32, torch.float64)
 
 def householder_product(*args, **kwargs) -> torch.Tensor:
     """``torch.linalg.householder_product(*args, **kwargs)``, with the closed-form backward where it applies."""
-    reflectors_and_tau = _bind(*args, **kwargs)
+    reflectors_and_tau = _closed_form_arguments(*args, **kwargs)
     if reflectors_and_tau is None:
         return torch.linalg.householder_product(*args, **kwargs)
     return _HouseholderProduct.apply(*reflectors_and_tau)
 
 
-def _bind(input=None, tau=None, **rest):
+def _closed_form_arguments(input=None, tau=None, **rest):
     """``(A, tau)`` when the closed form applies to this call, else ``None`` (torch's own path)."""
     A = input
     if rest or not isinstance(A, torch.Tensor) or not isinstance(tau, torch.Tensor):

@@ -14,7 +14,7 @@ The fix, for stateless models in pyvene's parallel mode (ReFT's):
   one int64 tensor on the model's device, copied from pinned memory without blocking; tensors (pyreft's)
   pass through. ``fixes.devices`` then indexes with them as they are.
   Ragged lists (which pyvene would reject later) are left for pyvene to report.
-- pyreft's trainers pass their collated tensor through unchanged (``fixes.trainer``, item 6).
+- pyreft's trainers pass their collated tensor through unchanged (``fixes.pyreft_trainer``, item 4).
 
 Results are bit-identical: the same indices reach the same ``torch.gather`` and index writes.
 
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from .devices import as_index
 
 

@@ -40,7 +40,7 @@ forward. A half-precision matrix is orthogonalised in float32 and returned in it
 **CUDA graphs.** The rotation depends on the intervention's weights only, yet eagerly it is some 35
 small kernels each way: an H200 host takes about 300 us to issue its forward and 1,000 us its backward,
 per application, most of what a ReFT training step issues beyond a LoRA step (docs/benchmarks.md).
-Replayed from a graph, each direction is one launch. ``rotation(orthogonal, X)`` returns what
+Replayed from a graph, each direction is one launch. ``replayed_rotation(orthogonal, X)`` returns what
 ``orthogonal(X)`` returns from two graphs captured for this module and this storage of ``X``: the
 forward (torch's own kernels, op for op, so the same values) and the backward (the closed form of
 ``fixes.householder``, chained through ``tau``, the signs and ``base``; it recomputes what it needs
@@ -75,13 +75,17 @@ import weakref
 import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 from . import gradient_checkpointing, householder
-from .data_parallel import is_replica
+from ._models import is_replica
 
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
+    # gradient_checkpointing: stays eager in its checkpointed forwards, which only that fix marks.
+    # (householder's backward too, where that fix is applied; it requires this one, so it cannot be `after`.)
+    after=("gradient_checkpointing",),
     state="OrthogonalState",
     checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
@@ -159,7 +163,7 @@ class ReftOrthogonal(_Orthogonal):
             return super().forward(X)
         if X.dtype in _HALF:
             return _eager(self, X.float()).to(X.dtype)
-        replayed = rotation(self, X) if REGISTRY.options.cuda_graphs else None
+        replayed = replayed_rotation(self, X) if REGISTRY.options.cuda_graphs else None
         return replayed if replayed is not None else _eager(self, X)
 
 
@@ -188,7 +192,7 @@ def graphs_of(orthogonal) -> "_Graphs | None":
     return state.graphs.get(orthogonal) if state is not None else None
 
 
-def rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
+def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     """``orthogonal(X)`` from CUDA graphs, or ``None`` where they do not apply (see the module docstring)."""
     if not _applies(orthogonal, X):
         return None

@@ -7,7 +7,7 @@ pyreft's examples and original code still switch the interventions to evaluation
         _ = v[0].eval()
 
 (``examples/loreft/train.py``, ``examples/reward/train.py``, ``original_code/``, the PEFT notebook, and
-pyreft's own ``ReftTrainerForSequenceClassification.evaluate``, which ``fixes.trainer`` replaces). On
+pyreft's own ``ReftTrainerForSequenceClassification.evaluate``, which ``fixes.pyreft_trainer`` replaces). On
 0.1.8 ``interventions`` is an ``nn.ModuleDict`` of the interventions themselves, and the examples stop
 after training with ``TypeError: 'LoreftIntervention' object is not subscriptable``.
 
@@ -31,7 +31,7 @@ Checked on pyvene 0.1.8 and pyreft 0.1.0.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,

@@ -19,7 +19,7 @@ PyTorch keeps that cache in module globals: a counter of open contexts and one d
 *original* module the parametrization was registered on (the key is fixed in the property it injects
 into the module's class). ``nn.DataParallel`` replicas share that class, so a replica would read
 another replica's weight, on another GPU (``Expected all tensors to be on the same device``). Replicas
-(``data_parallel.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
+(``_models.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
 in forward and in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
 the autograd engine's device thread), so entering and leaving the context is serialised by a lock.
 
@@ -31,15 +31,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .._registry import Fix, Site
-from .data_parallel import is_replica
+from .._records import Fix, Site
+from ._models import is_replica
 
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations"),
-        Site("pyvene.models.intervenable_base:do_intervention",
-             "_wrap_with_cached_parametrizations"),  # star-imported there
+        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations",
+             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
     ),
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},

@@ -16,13 +16,13 @@ Checked on pyvene 0.1.8.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.modeling_utils:get_module_hook", "_wrap_get_module_hook"),
-        Site("pyvene.models.intervenable_base:get_module_hook", "_wrap_get_module_hook"),  # star-imported there
+        Site("pyvene.models.modeling_utils:get_module_hook", "_wrap_get_module_hook",
+             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
     ),
     upstream=("pyvene",),
     checked={"pyvene": "==0.1.8"},

@@ -45,7 +45,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._registry import REGISTRY, Fix, Site
+from .._records import Fix, Site
+from .._registry import REGISTRY
 
 _INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
 FIX = Fix(

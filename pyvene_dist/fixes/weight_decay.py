@@ -13,7 +13,7 @@ Checked on transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ..optim import parametrization_original_names
 from ._models import holds_intervenable_model
 

@@ -28,7 +28,7 @@ Checked with accelerate 1.15, transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 
 FORWARDED = (
     "_no_split_modules",

@@ -27,7 +27,7 @@ def sites():
     from pyvene_dist.fixes import select
 
     for fix in select():
-        for site in fix.sites:
+        for site in fix.places:
             module = sys.modules.get(site.module)
             if module is not None:
                 yield site.path, site.owner(module), site.attribute, site.kind

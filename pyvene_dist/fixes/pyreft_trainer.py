@@ -1,4 +1,4 @@
-"""HF Trainer and pyreft's trainers work together with no extra arguments.
+"""pyreft's trainers work with HF Trainer as it is today, under torchrun too.
 
 1. transformers 4.46+ calls ``compute_loss(model, inputs, num_items_in_batch=...)``; pyreft 0.1.0's
    ``ReftTrainer.compute_loss`` and ``ReftTrainerForSequenceClassification.compute_loss`` take
@@ -24,36 +24,26 @@
    ``ReftTrainer.compute_loss(..., return_outputs=True)`` returned the outputs twice, where HF Trainer's
    evaluation reads ``(loss, outputs)``: ``trainer.evaluate()`` failed with ``AttributeError:
    'CausalLMOutputWithPast' object has no attribute 'detach'``. It returns ``(loss, outputs)``.
-2. With ``remove_unused_columns=True`` (the default) HF Trainer keeps only the columns named in
-   ``model.forward``'s signature; ``IntervenableModel.forward(base, sources, unit_locations, ...)``
-   names none of pyreft's, so ``compute_loss`` fails with ``KeyError: 'input_ids'``. The fix adds the
-   columns pyreft's trainers read to the kept ones, for models that hold a pyvene ``IntervenableModel``.
-3. ``ReftTrainerForCausalLM.get_train_dataloader`` (the README's default) returns a plain shuffled
+2. ``ReftTrainerForCausalLM.get_train_dataloader`` (the README's default) returns a plain shuffled
    ``DataLoader``: under torchrun every rank silently trains on the whole dataset, and
    ``train_sampling_strategy``, ``dataloader_drop_last`` and the data seed are ignored.
    ``ReftTrainerForCausalLMDistributed``'s ``DistributedSampler`` never sets its epoch (the same order
    every epoch) and ignores them too. The fix is HF Trainer's own ``get_train_dataloader``.
-4. ``ReftTrainerForSequenceClassification.evaluate(self, ignore_keys)`` requires ``ignore_keys``
+3. ``ReftTrainerForSequenceClassification.evaluate(self, ignore_keys)`` requires ``ignore_keys``
    (``trainer.evaluate()`` raises ``TypeError``), calls ``v[0].eval()`` on interventions that pyvene
    0.1.8 no longer keeps in tuples (``TypeError: 'LoreftIntervention' object is not subscriptable``),
    and has every rank evaluate the whole set. The fix evaluates with HF Trainer's sharded eval loader,
    gathers predictions with ``accelerator.gather_for_metrics`` (dropping the samples a shard repeats),
    and accepts ``eval_dataset``, ``ignore_keys`` and ``metric_key_prefix`` like ``Trainer.evaluate``.
-5. HF Trainer sets DDP's ``find_unused_parameters=True`` unless told otherwise, which costs a graph
-   traversal every step. Every parameter of a ReFT model that trains is used in every forward, so for
-   pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
-
-6. ``compute_loss`` turns the collated ``intervention_locations``, already on the GPU, into lists with
+4. ``compute_loss`` turns the collated ``intervention_locations``, already on the GPU, into lists with
    ``.permute(1, 0, 2).tolist()``: a device-to-host copy that stalls every step (see ``fixes.locations``).
    ``compute_loss`` now sees them through ``DeviceLocations``, which answers that call with the permuted
    tensor itself; pyvene_dist's gather and scatter index with it on the device. The loss code is pyreft's.
-
-7. pyreft's README and examples pass ``tokenizer=`` to its trainers; transformers 5 renamed that keyword
+5. pyreft's README and examples pass ``tokenizer=`` to its trainers; transformers 5 renamed that keyword
    ``processing_class`` (4.46 to 4.x took both) and fails with ``TypeError: Trainer.__init__() got an
    unexpected keyword argument 'tokenizer'``. pyreft's trainers (``ReftTrainer`` and its subclasses, not
    HF Trainer for anyone else) take ``tokenizer=`` as ``processing_class`` where ``Trainer`` lacks it.
-
-8. pyreft's ``examples/alpaca/train_multigpu.py`` wraps the ReFT model in DDP itself and hands the wrapper
+6. pyreft's ``examples/alpaca/train_multigpu.py`` wraps the ReFT model in DDP itself and hands the wrapper
    to ``ReftTrainerForCausalLM``. With ``--gradient_checkpointing``, ``Trainer.train`` enables it on the
    model it holds, the wrapper: ``AttributeError: 'DistributedDataParallel' object has no attribute
    'gradient_checkpointing_enable'``. pyreft's trainers (``ReftTrainer.train``, added) enable it on the
@@ -61,23 +51,21 @@
    keywords, and switch the arguments' flag off while ``Trainer.train`` runs (then back on), so that HF
    does not ask the wrapper. Both names of the flag are switched (``activation_checkpointing``, which
    transformers 5.24 reads, and its alias ``gradient_checkpointing``); checked on 5.24 only.
-
-9. Under ZeRO-3, ``from_pretrained`` partitions the model in the precision of the DeepSpeed config of the
+7. Under ZeRO-3, ``from_pretrained`` partitions the model in the precision of the DeepSpeed config of the
    ``TrainingArguments`` alive when it runs: float32 if that config has no ``"bf16"`` section, or if those
    arguments are an earlier run's (a notebook, two runs in one script, loading before making the
    arguments). DeepSpeed casts nothing already partitioned and silently mixes the precisions: a bf16 run
    trained its first step in float32, and resuming it from its own checkpoint ended 3.4e-5 off. pyreft's
    trainers refuse it at ``train``, naming both dtypes and what avoids it.
+8. pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only. HF Trainer
+   gathers across ranks when it logs (the loss, the FLOs) and saves (the FLOs; pyreft's ``save_model`` then
+   agrees whether to save, as it may gather), so rank 0's collectives met other ones on rank 1: the run hung
+   at the first checkpoint, or went on with another collective's data (the issue saw ``RuntimeError:
+   Parent directory .../checkpoint-2 does not exist`` in 2 of 3 runs). pyreft's trainers compare the
+   arguments that schedule those collectives across ranks at ``train`` and raise on every rank, naming each
+   argument and each rank's value.
 
-10. pyreft's ``examples/alpaca/train_multigpu.py`` sets ``logging_steps = 1`` on rank 0 only. HF Trainer
-    gathers across ranks when it logs (the loss, the FLOs) and saves (the FLOs; pyreft's ``save_model`` then
-    agrees whether to save, as it may gather), so rank 0's collectives met other ones on rank 1: the run hung
-    at the first checkpoint, or went on with another collective's data (the issue saw ``RuntimeError:
-    Parent directory .../checkpoint-2 does not exist`` in 2 of 3 runs). pyreft's trainers compare the
-    arguments that schedule those collectives across ranks at ``train`` and raise on every rank, naming each
-    argument and each rank's value.
-
-pyreft and ``transformers.trainer`` are patched when (and if) they are imported.
+pyreft is patched when (and if) it is imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
 
@@ -88,11 +76,10 @@ import inspect
 
 import torch
 
-from .._registry import Fix, Site
+from .._records import Fix, Site
 from ._models import holds_intervenable_model, unwrap_intervenable_model
 
 PYREFT = "pyreft.reft_trainer"
-TRANSFORMERS = "transformers.trainer"
 FIX = Fix(
     __name__,
     sites=(
@@ -106,8 +93,6 @@ FIX = Fix(
              fingerprint="a59f16e74668a8d4"),
         Site(f"{PYREFT}:ReftTrainer.__init__", "_reft_trainer_init", kind="add"),
         Site(f"{PYREFT}:ReftTrainer.train", "_reft_trainer_train", kind="add"),
-        Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
-        Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
     ),
     # devices: pyreft's locations are passed on as tensors, which that fix indexes with;
     # wrapper_attributes: the checkpointing enablers of the pyvene model inside a wrapper.
@@ -115,8 +100,6 @@ FIX = Fix(
     upstream=("pyreft",),
     checked={"pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
 )
-#: The batch keys pyreft's trainers read in ``compute_loss``.
-PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
 #: ``Trainer.train`` calls the first of these the model has (transformers 5.2x; before, only the second).
 CHECKPOINTING_ENABLERS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 #: The ``TrainingArguments`` flag that makes ``Trainer.train`` call it, and its deprecated alias (kept equal).
@@ -174,10 +157,12 @@ def _share_of_the_batch(trainer, labels: torch.Tensor, num_items_in_batch) -> to
     return share
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=32)
 def _bound_signature(function) -> inspect.Signature:
     """The signature of ``function`` called as a bound method (``self`` left out), read once: every
-    training step asks for it."""
+    training step asks for it. Bounded: the functions asked about are pyreft's two ``compute_loss`` and those
+    of the user's subclasses, a handful, and an unbounded cache kept every one alive with its module (trainer
+    classes made per run, in a notebook or a sweep); a weak map would be process-wide state of its own."""
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
@@ -369,28 +354,10 @@ def _trainer_takes_tokenizer() -> bool:
     return "tokenizer" in inspect.signature(Trainer.__init__).parameters
 
 
-def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
-    wrapped(*args, **kwargs)
-    if holds_intervenable_model(instance.model):
-        missing = [column for column in PYREFT_COLUMNS if column not in instance._signature_columns]
-        instance._signature_columns += missing
-
-
 def _wrap_trainers_train_dataloader(wrapped, instance, args, kwargs):
     from transformers import Trainer
 
     return Trainer.get_train_dataloader(instance, *args, **kwargs)
-
-
-def _wrap_create_accelerator(wrapped, instance, args, kwargs):
-    arguments = instance.args
-    if arguments.ddp_find_unused_parameters is not None or not holds_intervenable_model(instance.model):
-        return wrapped(*args, **kwargs)
-    arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        arguments.ddp_find_unused_parameters = None
 
 
 def _wrap_evaluate(wrapped, instance, args, kwargs):

@@ -1,0 +1,221 @@
+"""What a fix is: ``Fix``, the record each fix module declares, and its ``Site``\ s; how a record is applied
+into the registry (``Fix.patch``), with the checks that refuse a site the installed release changed.
+
+Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is
+built on, the upstream packages whose ``FIXES`` retire it, and the releases it was checked on.
+``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
+
+Patches name the class that *defines* a method (``BaseModel.named_parameters``, not
+``IntervenableModel.named_parameters``): wrapping through a subclass would shadow the base
+definition, and a later pyvene release that moves the method would go unnoticed. Here it fails loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import inspect
+import textwrap
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ._options import Options
+from ._versions import ALLOW_ENV, UnsupportedVersionError
+
+if TYPE_CHECKING:
+    from ._registry import Registry
+
+_ABSENT = object()
+#: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and
+#: ``transformers.trainer`` is slow to import.
+IMPORTED_LATER = ("pyreft", "transformers.trainer")
+KINDS = ("wrap", "replace", "add", "entry")
+
+
+class FixError(RuntimeError):
+    """A fix could not be applied; its message names the fix and the cause."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One symbol a fix changes: ``"module:Qualified.attr"``.
+
+    ``kind`` says how: ``wrap`` puts a ``wrapt.FunctionWrapper`` calling ``wrapper`` around the original
+    (which the wrapper calls); ``replace`` does the same with a wrapper that never calls the original,
+    so the original's source must be the one the replacement was written from (``fingerprint``, checked
+    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value); ``entry``
+    puts a plain function in place of what the owner holds now (another fix's wrap, or the original):
+    ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
+    traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
+    ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
+
+    ``reexported_in`` names the modules that re-export the attribute (``from .modeling_utils import *``):
+    each holds the same original under the same qualified name, and is patched the same way, since code
+    there looks the name up in its own module (``Fix.places`` lists them all).
+    """
+
+    path: str
+    wrapper: Any
+    kind: str = "wrap"
+    fingerprint: str | None = None
+    reexported_in: tuple[str, ...] = ()
+    #: Set by ``places()`` on a re-export's place: the module it re-exports from, whose attribute it must hold.
+    reexports: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reexported_in, str) or any(":" in name for name in self.reexported_in):
+            raise TypeError(f"Site {self.path!r}: reexported_in={self.reexported_in!r}, expected a tuple of module "
+                            "names such as ('pyvene.models.intervenable_base',)")
+        if self.kind not in KINDS:
+            raise ValueError(f"Site {self.path!r}: kind={self.kind!r}, expected one of {KINDS}")
+        if (self.kind == "replace") != (self.fingerprint is not None):
+            raise ValueError(f"Site {self.path!r}: a fingerprint goes with kind='replace' and only with it")
+        if self.path.count(":") != 1:
+            raise ValueError(f"Site {self.path!r}: expected 'module:Qualified.attr'")
+
+    @property
+    def module(self) -> str:
+        return self.path.split(":")[0]
+
+    def places(self) -> tuple["Site", ...]:
+        """This site in its module and in each module that re-exports it."""
+        qualified = self.path.split(":")[1]
+        return (dataclasses.replace(self, reexported_in=()),) + tuple(
+            dataclasses.replace(self, path=f"{module}:{qualified}", reexported_in=(), reexports=self.module)
+            for module in self.reexported_in)
+
+    @property
+    def attribute(self) -> str:
+        return self.path.rsplit(".", 1)[-1].split(":")[-1]
+
+    def owner(self, module: Any) -> Any:
+        """The module or class whose ``__dict__`` holds the attribute."""
+        qualified = self.path.split(":")[1]
+        return functools.reduce(getattr, qualified.split(".")[:-1], module)
+
+    @property
+    def imported_later(self) -> bool:
+        return any(self.module == name or self.module.startswith(name + ".") for name in IMPORTED_LATER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One failure mode's fix: everything ``patch()``, the docs and the tests need to know about it.
+
+    Declared once per fix module as ``FIX = Fix(__name__, sites=(...), ...)``; its name is the module's.
+    """
+
+    module: str
+    sites: tuple[Site, ...]
+    #: Fixes whose runtime code or behaviour this one is built on (it calls them whatever is applied):
+    #: applied with it, before it.
+    requires: tuple[str, ...] = ()
+    #: Fixes this one is applied after when they are applied too, without pulling them in: an ``entry``
+    #: site stacks on the wraps of the same attribute, and code calls theirs only where ``REGISTRY.applied``
+    #: names them (or keeps their state coherent). tests/test_patching.py derives both from the imports.
+    after: tuple[str, ...] = ()
+    #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
+    #: empty for a runtime-only fix (docs/upstreaming.md says why each is).
+    upstream: tuple[str, ...] = ()
+    #: distribution -> the releases this fix was checked on (a specifier); only applied fixes count.
+    checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``), or the name of that class in the
+    #: fix's module: made without arguments, with a ``close()`` that undoes what it holds.
+    state: type | str | None = None
+    #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
+    on_patch: Callable[[Options], None] | str | None = None
+    #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
+    #: (hooks they registered, graphs they captured).
+    on_unpatch: Callable[[], None] | str | None = None
+
+    @functools.cached_property  # read on hot paths (``FIX.name in REGISTRY.applied``)
+    def name(self) -> str:
+        return self.module.rsplit(".", 1)[-1]
+
+    @functools.cached_property
+    def places(self) -> tuple[Site, ...]:
+        """Every site ``patch()`` touches: each of ``sites`` in its module and where it is re-exported."""
+        return tuple(place for site in self.sites for place in site.places())
+
+    def resolve(self, value: Any) -> Any:
+        """``value``, or the object of the fix's module it names."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return getattr(importlib.import_module(self.module), value)
+        except AttributeError:
+            raise AttributeError(f"the fix {self.name!r} names {value!r}, which {self.module} lacks") from None
+
+    def patch(self, registry: "Registry", options: Options = Options()) -> None:
+        """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
+        registry.applied.add(self.name)
+        if self.on_patch is not None:
+            self.resolve(self.on_patch)(options)
+        if self.on_unpatch is not None:
+            registry.on_restore(self.resolve(self.on_unpatch))
+        by_module: dict[str, list[Site]] = {}
+        for site in self.places:
+            by_module.setdefault(site.module, []).append(site)
+        for module_name, sites in by_module.items():
+            apply = functools.partial(_apply_sites, self, tuple(sites), registry, options)
+            if sites[0].imported_later:
+                registry.when_imported(module_name, apply, fix=self.name)
+            else:
+                apply(importlib.import_module(module_name))
+
+
+def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", options: Options, module: Any) -> None:
+    for site in sites:
+        owner = site.owner(module)
+        if site.reexports is not None:
+            _check_reexport(fix, site, owner, registry)
+        if site.kind == "add":
+            registry.add(owner, site.attribute, fix.resolve(site.wrapper))
+            continue
+        if site.kind == "entry":
+            registry.enter(owner, site.attribute, fix.resolve(site.wrapper))
+            continue
+        if site.kind == "replace" and registry.find(owner, site.attribute) is None:
+            _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
+        registry.wrap(owner, site.attribute, fix.resolve(site.wrapper))
+
+
+def _check_reexport(fix: Fix, site: Site, owner: Any, registry: "Registry") -> None:
+    """A re-export's place must hold what its module re-exports (the original, before any wrap)."""
+    source = site.owner(importlib.import_module(site.reexports))
+    wrapped = registry.find(source, site.attribute)
+    exported = wrapped.original if wrapped is not None else vars(source).get(site.attribute, _ABSENT)
+    found = vars(owner).get(site.attribute, _ABSENT)
+    if found is not exported and registry.find(owner, site.attribute) is None:
+        raise FixError(f"pyvene_dist's fix {fix.name!r}: {site.path} is not {site.reexports}'s {site.attribute} "
+                       f"re-exported ({found!r} there); the installed version defines its own, which needs a Site "
+                       "of its own rather than reexported_in")
+
+
+def fingerprint(original: Any) -> str:
+    """The first 16 hex digits of the SHA-256 of ``original``'s source (dedented)."""
+    function = getattr(original, "__func__", original)
+    source = textwrap.dedent(inspect.getsource(function))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _check_fingerprint(fix: Fix, site: Site, original: Any, options: Options) -> None:
+    try:
+        found = fingerprint(original)
+    except (TypeError, OSError):  # no source to read: no fingerprint either
+        found = "none"
+    if found == site.fingerprint:
+        return
+    message = (
+        f"pyvene_dist's fix {fix.name!r} replaces {site.path}, written from the source with fingerprint "
+        f"{site.fingerprint}; the installed one has {found}, so the replacement may drop what changed"
+    )
+    if options.allow_unsupported:
+        warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=4)
+        return
+    raise UnsupportedVersionError(
+        f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set "
+        f"{ALLOW_ENV}=1."
+    )

@@ -1,0 +1,52 @@
+"""HF Trainer keeps pyreft's columns and skips DDP's unused-parameter search for pyvene models.
+
+1. With ``remove_unused_columns=True`` (the default) HF Trainer keeps only the columns named in
+   ``model.forward``'s signature; ``IntervenableModel.forward(base, sources, unit_locations, ...)``
+   names none of pyreft's, so ``compute_loss`` fails with ``KeyError: 'input_ids'``. The fix adds the
+   columns pyreft's trainers read to the kept ones, for models that hold a pyvene ``IntervenableModel``.
+2. HF Trainer sets DDP's ``find_unused_parameters=True`` unless told otherwise, which costs a graph
+   traversal every step. Every parameter of a ReFT model that trains is used in every forward, so for
+   pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
+
+Both act on ``transformers.Trainer`` (pyreft's trainers and a plain Trainer alike) and only for models
+holding a pyvene model. pyreft's ``hf_trainer.diff`` does the same in ``ReftTrainer``, so with it upstream a
+plain Trainer needs pyvene_dist for these (docs/upstreaming.md). Split from the ``trainer`` fix, whose other
+items are ``pyreft_trainer``'s. ``transformers.trainer`` is patched when (and if) it is imported.
+Checked on transformers 5.17 and 5.24.
+"""
+
+from __future__ import annotations
+
+from .._records import Fix, Site
+from ._models import holds_intervenable_model
+
+TRANSFORMERS = "transformers.trainer"
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
+        Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
+    ),
+    upstream=("pyreft",),
+    checked={"transformers": ">=5.17,<5.25"},
+)
+#: The batch keys pyreft's trainers read in ``compute_loss``.
+PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
+
+
+def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    if holds_intervenable_model(instance.model):
+        missing = [column for column in PYREFT_COLUMNS if column not in instance._signature_columns]
+        instance._signature_columns += missing
+
+
+def _wrap_create_accelerator(wrapped, instance, args, kwargs):
+    arguments = instance.args
+    if arguments.ddp_find_unused_parameters is not None or not holds_intervenable_model(instance.model):
+        return wrapped(*args, **kwargs)
+    arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        arguments.ddp_find_unused_parameters = None
