@@ -27,9 +27,8 @@ from hypothesis import HealthCheck, example, given, settings
 import helpers
 import pyvene_dist
 from pyvene_dist.fixes.hooks import ATTENTION_PROBABILITIES
-from pyvene_dist.testing import ParityCase, assert_parity, train
+from pyvene_dist.testing import TOLERANCES, ParityCase, assert_parity, tolerance, train
 from pyvene_dist.testing.matrix import Configuration
-from pyvene_dist.testing.parity import TOLERANCES, tolerance
 from pyvene_dist.testing.strategies import configurations
 
 LONG = os.environ.get("PYVENE_DIST_MATRIX") == "long"

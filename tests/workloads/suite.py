@@ -185,9 +185,8 @@ def train(trainer, model, resume_from_checkpoint=None) -> object:
     its gradient is what HF Trainer's ``model.zero_grad()`` must clear between steps."""
     from transformers import TrainerCallback
 
-    from pyvene_dist.testing import Record
+    from pyvene_dist.testing import Record, intervention_weights
     from pyvene_dist.testing.hf import InterventionGradients
-    from pyvene_dist.testing.parity import intervention_weights
 
     class HeadGradients(TrainerCallback):
         def __init__(self):
@@ -462,7 +461,7 @@ def trainer_options(folder, output_dir, strategy, checkpointing, *, dtype="float
     prediction_step expects a loss.)"""
     import pyreft
 
-    from pyvene_dist.testing.parity import intervention_weights
+    from pyvene_dist.testing import intervention_weights
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     settings = dict(per_device_train_batch_size=GLOBAL_BATCH // world_size // 2, gradient_accumulation_steps=2,
