@@ -1,5 +1,5 @@
-"""The parity harness's training loop: train the same ReFT model on the same data with the same seed on one device and
-under a parallel strategy, then compare per-step losses, intervention gradients and final weights.
+"""The parity harness's training loop: train the same ReFT model on the same data with the same seed on one
+device and under a parallel strategy, then compare per-step losses, intervention gradients and final weights.
 
     case = ParityCase()                                   # tiny Llama, LoReFT at two layers, 3 steps
     candidate = train(case, "ddp")                        # inside an initialised process group
