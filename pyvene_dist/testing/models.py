@@ -286,9 +286,11 @@ def import_pyreft():
     return pyreft
 
 
-#: Words the checkpoint's tokenizer learns whole, so every example of ``instruction_examples`` has the same
-#: number of tokens (ranks then average equal-sized losses, and DDP's mean equals one process's).
-WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "flies", "up", "down", "here")
+#: Words the checkpoints' tokenizers learn whole (``save_checkpoint``'s and the workload suite's): every example
+#: of ``instruction_examples`` has the same number of tokens (ranks then average equal-sized losses, and DDP's
+#: mean equals one process's); the workloads' sentences mix them with words split into several tokens.
+WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "jumps", "sits", "big", "small", "fast", "slow",
+         "tree", "house", "river", "stone", "light", "dark", "warm", "cold")
 
 
 def save_checkpoint(folder, *, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -13,11 +13,14 @@ from .tensor_parallel import HSDP, TensorParallel, TensorParallelFSDP2
 @dataclasses.dataclass(frozen=True)
 class Registered:
     """One strategy of the registry: how to make it (``STRATEGIES[name](device)``), what a machine needs to
-    run it, and whether one process runs it over every visible device (listed once, not per world size)."""
+    run it, whether one process runs it over every visible device (listed once, not per world size), and
+    the ``TrainingArguments`` that switch it on in HF Trainer, for the strategies the workload suite
+    (tests/workloads) runs users' Trainer flows under (None: not run that way)."""
 
     make: Callable[..., Strategy]
     needs: Requirement = any_machine
     one_process: bool = False
+    trainer_arguments: Callable[[], dict] | None = None
 
     def __call__(self, *args, **kwargs) -> Strategy:
         return self.make(*args, **kwargs)
@@ -30,15 +33,32 @@ def _zero(stage: int, **options) -> Callable[..., Strategy]:
     return lambda device=None: DeepSpeed(stage, device=device, **options)
 
 
+def _no_arguments() -> dict:
+    return {}  # the process group the launcher made is all HF Trainer needs (DDP), or none (one process)
+
+
+def _fsdp2_arguments() -> dict:
+    return {"fsdp": True, "fsdp_config": {"version": 2}}
+
+
+def _deepspeed_arguments(stage: str) -> Callable[[], dict]:
+    def arguments() -> dict:
+        from .hf import deepspeed_config  # imports transformers: only when asked
+
+        return {"deepspeed": deepspeed_config(stage)}
+
+    return arguments
+
+
 #: Every strategy the harness trains, ``pyvene-dist check`` runs (``check.CHECKED``) and benchmarks use.
 STRATEGIES: dict[str, Registered] = {
-    "single": Registered(Strategy),
-    "ddp": Registered(DDP),
-    "fsdp2": Registered(FSDP2),
+    "single": Registered(Strategy, trainer_arguments=_no_arguments),
+    "ddp": Registered(DDP, trainer_arguments=_no_arguments),
+    "fsdp2": Registered(FSDP2, trainer_arguments=_fsdp2_arguments),
     "fsdp1": Registered(FSDP1, gpu_per_rank),
     "zero1": Registered(_zero(1), installed("deepspeed")),
-    "zero2": Registered(_zero(2), installed("deepspeed")),
-    "zero3": Registered(_zero(3), installed("deepspeed")),
+    "zero2": Registered(_zero(2), installed("deepspeed"), trainer_arguments=_deepspeed_arguments("2")),
+    "zero3": Registered(_zero(3), installed("deepspeed"), trainer_arguments=_deepspeed_arguments("3")),
     "zero2-offload": Registered(_zero(2, offload=True), installed("deepspeed")),
     # Host-memory offload is what a GPU run is after; on a CPU-only machine it is ZeRO-3 again.
     "zero3-offload": Registered(_zero(3, offload=True), installed("deepspeed", gpu_per_rank)),
