@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
+from pyvene_dist.testing import models  # noqa: E402
 
 _COUNTED = ("call", "c_call")
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     if options.smoke:
         options.tokens, options.warmup = 2, 1
     device, dtype = torch.device("cpu"), torch.float32
-    model = common.llama("tiny", dtype=dtype, device=device, layers=options.layers)
+    model = models.llama("tiny", dtype=dtype, device=device, layers=options.layers)
     layers = common.middle_layers(model, options.interventions)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (options.batch, options.seq_len), generator=generator)
@@ -154,7 +155,6 @@ def _reft_measures(model, layers, ids, batch, prompt, measures) -> dict:
     """pyreft's LoReFT on ``model`` (under whatever patch state the caller is in) and its steps."""
     import pyreft
 
-    torch.manual_seed(1)
     reft = common.reft_model(model, layers)
     trainer = object.__new__(pyreft.ReftTrainer)  # compute_loss reads nothing of the trainer
     parameters = reft.get_trainable_parameters()

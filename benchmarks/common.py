@@ -24,44 +24,9 @@ from pathlib import Path
 
 import torch
 
+from pyvene_dist.testing import models
+
 ROOT = Path(__file__).resolve().parents[1]
-
-#: Llama shapes built from configs with random weights (nothing is downloaded).
-SHAPES = {
-    "tiny": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                         tie_word_embeddings=True),
-    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                       tie_word_embeddings=False),
-}
-
-
-def llama(shape: str, *, dtype: torch.dtype, device: torch.device, checkpointing: bool = False, seed: int = 0,
-          layers: int | None = None):
-    """A Llama of ``shape`` (a key of ``SHAPES``), its random weights made on ``device`` in ``dtype`` (a 7B
-    model in seconds, where the host would take minutes), sdpa attention; ``checkpointing``: non-reentrant
-    activation checkpointing of every decoder layer; ``layers``: that many decoder layers instead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if shape not in SHAPES:
-        raise ValueError(f"model shape {shape!r} is not one of {sorted(SHAPES)}")
-    config = LlamaConfig(**{**SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
 
 def middle_layers(model, count: int = 4) -> list[int]:
     """``count`` layers spread over the model (the intervened ones, and LoRA's)."""
@@ -117,16 +82,10 @@ def _training_step(loss, optimizer, backward, step):
 
 
 def reft_model(model, layers):
-    """pyreft's LoReFT rank 4 at ``block_output`` of ``layers``, on ``model`` (under whatever patch state
-    the caller is in), on the model's device."""
-    import pyreft
-
-    hidden = model.config.hidden_size
-    config = pyreft.ReftConfig(representations=[{
-        "layer": layer, "component": "block_output", "low_rank_dimension": 4,
-        "intervention": pyreft.LoreftIntervention(embed_dim=hidden, low_rank_dimension=4, dtype=model.dtype),
-    } for layer in layers])
-    reft = pyreft.get_reft_model(model, config)
+    """``testing.models.reft_model``'s LoReFT rank 4 at ``block_output`` of ``layers`` on ``model`` (under
+    whatever patch state the caller is in), in the model's dtype and on its device, the interventions drawn
+    from seed 1: the same for every provider."""
+    reft = models.reft_model(model, layers=layers, dtype=model.dtype, seed=1)
     reft.set_device(model.device)
     return reft
 
@@ -152,7 +111,7 @@ def reft_step(reft, batch, optimizer=None, *, call=None, backward=None, step=Non
 
 def add_step_arguments(parser, *, model: str = "llama-3.2-1b") -> None:
     """The options of a script that times training steps: model shape, batch, locations, rounds."""
-    parser.add_argument("--model", default=model, choices=sorted(SHAPES))
+    parser.add_argument("--model", default=model, choices=sorted(models.LLAMA_SHAPES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--positions", type=int, default=10)

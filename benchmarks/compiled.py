@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
+from pyvene_dist.testing import models  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--providers: {sorted(unknown)} not among {sorted(BUILDERS)}")
     pyvene_dist.patch()
-    base = common.llama(options.model, dtype=dtype, device=device)
+    base = models.llama(options.model, dtype=dtype, device=device)
     layers = common.middle_layers(base, options.interventions)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(base.config.vocab_size, (options.batch, options.seq_len), generator=generator).to(device)
@@ -130,7 +131,6 @@ class Setup:
         self._lora = None
 
     def reft(self, base=None):
-        torch.manual_seed(1)  # the same interventions for every ReFT provider
         return common.reft_model(base if base is not None else copy.deepcopy(self.base), self.layers)
 
     def lora(self):

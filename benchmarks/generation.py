@@ -31,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
+from pyvene_dist.testing import models  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(common.SHAPES))
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(models.LLAMA_SHAPES))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=1024)
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         options.interventions, options.rounds = 2, 2
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = common.llama(options.model, dtype=dtype, device=device).eval()
+    model = models.llama(options.model, dtype=dtype, device=device).eval()
     layers = common.middle_layers(model, options.interventions)
     generator = torch.Generator().manual_seed(0)
     prompt = {"input_ids": torch.randint(3, model.config.vocab_size, (options.batch, options.prompt_len),
@@ -85,7 +86,6 @@ def main(argv=None) -> int:
     for provider in options.providers.split(","):
         if provider == "pyvene_dist":
             pyvene_dist.patch()
-        torch.manual_seed(1)  # the same interventions for stock and patched
         reft = common.reft_model(model, layers)
         reft.eval()
 

@@ -4,10 +4,10 @@
     python benchmarks/overhead.py --model llama-2-7b --checkpointing --batch 1 --seq-len 4096 --no-stock
     python benchmarks/overhead.py --smoke                                       # CPU, tiny model
 
-``--model``: a shape of ``common.SHAPES`` (Llama-3.2-1B's by default, Llama-2-7B's), random weights made on
-the GPU; ``--checkpointing``: non-reentrant activation checkpointing of every layer, for LoRA and ReFT alike;
-``--no-stock``: leave stock pyvene out (it takes as long as the rest); ``--profile FILE``: each step's top
-operators by host and device time.
+``--model``: a shape of ``testing.models.LLAMA_SHAPES`` (Llama-3.2-1B's by default, Llama-2-7B's), random
+weights made on the GPU; ``--checkpointing``: non-reentrant activation checkpointing of every layer, for LoRA
+and ReFT alike; ``--no-stock``: leave stock pyvene out (it takes as long as the rest); ``--profile FILE``: each
+step's top operators by host and device time.
 
 Providers: ``bare`` (the HF model alone), ``peft-lora`` (LoRA rank 8 on q and v at the same layers),
 ``pyvene`` (ReFT with stock pyvene/pyreft) and ``pyvene_dist`` (the same after ``pyvene_dist.patch()``);
@@ -36,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
+from pyvene_dist.testing import models  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(common.SHAPES))
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(models.LLAMA_SHAPES))
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         options.steps, options.warmup, options.rounds = 2, 1, 2
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = common.llama(options.model, dtype=dtype, device=device, checkpointing=options.checkpointing)
+    model = models.llama(options.model, dtype=dtype, device=device, checkpointing=options.checkpointing)
     layers = common.middle_layers(model)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(model.config.vocab_size, (options.batch, options.seq_len), generator=generator).to(device)

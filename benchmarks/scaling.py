@@ -63,7 +63,8 @@ def rank_main(run: Run, out: str, profile: str = "") -> None:
     import pyvene_dist
     from pyvene_dist.optim import param_groups
     from pyvene_dist.testing import ParityCase, STRATEGIES
-    from pyvene_dist.testing.parity import DeepSpeed, _loss, parameter_bytes
+    from pyvene_dist.testing.runners import DeepSpeed
+    from pyvene_dist.testing.training import parameter_bytes, summed_loss
 
     pyvene_dist.patch()
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: ranks must not fight over host cores
@@ -92,7 +93,7 @@ def rank_main(run: Run, out: str, profile: str = "") -> None:
     drain = torch.cuda.synchronize if cuda else (lambda: None)
 
     def train_step(batch) -> None:
-        strategy.backward(_loss(wrapped, strategy.shard(batch), strategy.device))
+        strategy.backward(summed_loss(wrapped, strategy.shard(batch), strategy.device))
         strategy.step(optimizer, wrapped)
 
     times, host = [], []

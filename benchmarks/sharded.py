@@ -32,6 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
+from pyvene_dist.testing import models  # noqa: E402
+
 
 def rank_main(options: dict, out: str) -> None:
     import pyvene_dist
@@ -40,7 +42,7 @@ def rank_main(options: dict, out: str) -> None:
     pyvene_dist.patch()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = common.llama(options["model"], dtype=dtype, device=device)
+    base = models.llama(options["model"], dtype=dtype, device=device)
     layers = common.middle_layers(base, options["interventions"])
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(base.config.vocab_size, (options["batch"], options["seq_len"]), generator=generator).to(device)

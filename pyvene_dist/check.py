@@ -25,8 +25,7 @@ from typing import Iterable
 
 import torch
 
-from .testing import STRATEGIES, Record, Strategy, assert_parity, differences, spawn, train
-from .testing.parity import tolerance
+from .testing import STRATEGIES, Record, Strategy, assert_parity, differences, spawn, tolerance, train
 from .testing.check_runs import CheckCase
 from .testing.models import REFT_INSTALL
 

@@ -15,7 +15,7 @@ import torch
 from pyvene_dist import check
 from pyvene_dist.testing import assert_parity, train
 from pyvene_dist.testing.check_runs import CheckCase, model_config, representation_layers
-from pyvene_dist.testing.parity import DeviceMap, split_map
+from pyvene_dist.testing.runners import DeviceMap, split_map
 from pyvene_dist.testing.models import tiny_gpt2, tiny_llama
 
 MORE_RANKS_THAN_ANY_MACHINE = 4096
@@ -125,7 +125,7 @@ def test_zero_in_bfloat16_runs_against_deepspeeds_bf16_bound(monkeypatch):
     """ZeRO in bf16 runs (tests/test_deepspeed.py trains it; nothing refuses it) and is judged by the 8-ulp
     DeepSpeed bf16 bound."""
     from pyvene_dist.testing import ParityCase
-    from pyvene_dist.testing.parity import DEEPSPEED_BF16, TOLERANCES, tolerance
+    from pyvene_dist.testing import DEEPSPEED_BF16, TOLERANCES, tolerance
 
     monkeypatch.setattr(check, "gpu_count", lambda: 0)
     assert check.reason("zero2", 2) is None and check.reason("zero3", 2) is None

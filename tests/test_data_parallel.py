@@ -17,7 +17,7 @@ import torch
 
 from pyvene_dist.testing import ParityCase, Record, Strategy, assert_parity, train
 from pyvene_dist.testing.models import reft_model, tiny_llama
-from pyvene_dist.testing.strategies import forward_call
+from pyvene_dist.testing.generators import forward_call
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from pyvene_dist.testing import ParityCase, assert_parity, differences, train
-from pyvene_dist.testing.parity import DeepSpeed, tolerance
+from pyvene_dist.testing import ParityCase, assert_parity, differences, tolerance, train
+from pyvene_dist.testing.runners import DeepSpeed
 
 pytest.importorskip("deepspeed")
 NO_LIBAIO = helpers.libaio_missing()  # why NVMe offload cannot run here, or None
@@ -119,13 +119,13 @@ def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
     import pyreft
 
     from pyvene_dist.testing import models
-    from pyvene_dist.testing.parity import _trained
+    from pyvene_dist.testing.comparison import trained_parameters
 
     helpers.patch()
     case = ParityCase()
     trained = train(case, "single")  # the weights to save, same on every rank
     model = case.build()
-    for name, parameter in _trained(model):
+    for name, parameter in trained_parameters(model):
         parameter.data.copy_(trained.weights[name])
     deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.get_trainable_parameters()),
                          config=DeepSpeed(3).config(case.batch_size))
@@ -134,7 +134,7 @@ def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
     dist.barrier()
     single = ParityCase(seed=9).build()
     single.load_intervention(str(tmp_path / "saved"))
-    for name, parameter in _trained(single):
+    for name, parameter in trained_parameters(single):
         assert torch.equal(parameter, trained.weights[name]), name
     loaded = pyreft.ReftModel.load(str(tmp_path / "pyreft"), models.tiny_llama(seed=9), include_model=True)
     for name, parameter in loaded.interventions.named_parameters():
@@ -147,7 +147,7 @@ def test_zero3_saves_whole_weights_once_and_loads_them(tmp_path):
     other.load_intervention(str(tmp_path / "saved"))
     from deepspeed.utils import safe_get_full_fp32_param
 
-    for name, parameter in _trained(other):
+    for name, parameter in trained_parameters(other):
         torch.testing.assert_close(safe_get_full_fp32_param(parameter).cpu(), trained.weights[name], rtol=0, atol=0)
         with deepspeed.zero.GatheredParameters([parameter]):
             assert torch.equal(parameter.data, trained.weights[name]), name
@@ -236,7 +236,7 @@ def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp
     either: the ranks then trained on out of step, and the next step's gather hung."""
     from pyvene_dist import gather
     from pyvene_dist.fixes.checkpoints import STATES_FILE
-    from pyvene_dist.testing.parity import _loss
+    from pyvene_dist.testing.training import summed_loss
 
     helpers.patch()
     gather.ARRIVAL_TIMEOUT_S = 3.0
@@ -258,7 +258,7 @@ def test_zero3_saves_from_rank_0_alone_when_it_keeps_the_interventions_whole(tmp
         assert torch.equal(saved_by_save["lm_head.weight"], trained.weights["model.lm_head.weight"])
     dist.barrier()
     for batch in case.batches(steps=1):  # every rank trains on, in step (the engine counts the micro-batches)
-        strategy.backward(_loss(strategy.engine, strategy.shard(batch), strategy.device))
+        strategy.backward(summed_loss(strategy.engine, strategy.shard(batch), strategy.device))
         strategy.step(None, strategy.engine)
 
 

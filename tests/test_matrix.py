@@ -1,5 +1,5 @@
 """The generated configuration matrix: architecture x attention x component x layers x pyreft positions x
-intervention x dtype x padding (``strategies.configurations``, ``matrix.Configuration``).
+intervention x dtype x padding (``generators.configurations``, ``matrix.Configuration``).
 
 Each draw, in one process: stock pyvene and the patch, each on the same model built from the same
 seed, give the same logits, loss and intervention gradients bit for bit (the patch changes where
@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, example, given, settings
 import helpers
 import pyvene_dist
 from pyvene_dist.fixes.hooks import ATTENTION_PROBABILITIES
-from pyvene_dist.testing import ParityCase, assert_parity, train
+from pyvene_dist.testing import TOLERANCES, ParityCase, assert_parity, tolerance, train
 from pyvene_dist.testing.matrix import Configuration
-from pyvene_dist.testing.parity import TOLERANCES, tolerance
-from pyvene_dist.testing.strategies import configurations
+from pyvene_dist.testing.generators import configurations
 
 LONG = os.environ.get("PYVENE_DIST_MATRIX") == "long"
 CI_DRAWS = 30

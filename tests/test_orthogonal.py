@@ -373,8 +373,7 @@ def test_no_graph_inside_a_capture(patched):
 def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch):
     """The parity harness's ReFT training on one GPU: per-step losses, intervention gradients and final
     weights with the rotations replayed from graphs equal those of the eager rotations."""
-    from pyvene_dist.testing import ParityCase, assert_parity, train
-    from pyvene_dist.testing.parity import Strategy
+    from pyvene_dist.testing import ParityCase, Strategy, assert_parity, train
 
     case = ParityCase(steps=4)
     captured = []  # the models' states go with the models: count the captures as they happen

@@ -108,7 +108,7 @@ def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
     gradients and Adam state, a few kilobytes). fp32 sdpa is left out: the CPU runs it fused, the H200 did not."""
     import pyvene_dist
     from pyvene_dist.testing import ParityCase
-    from pyvene_dist.testing.parity import _loss
+    from pyvene_dist.testing.training import summed_loss
 
     # The interventions alone train, as in pyreft's default and the benchmark plan models (no trainable head),
     # and no attention mask: with one, sdpa on a CPU runs unfused and keeps its attention weights.
@@ -122,7 +122,7 @@ def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
         batches = [{key: value for key, value in batch.items() if key != "attention_mask"} for batch in case.batches()]
 
         def step(batch):
-            _loss(model, batch, torch.device("cpu")).backward()
+            summed_loss(model, batch, torch.device("cpu")).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pyvene_dist.fixes._scatter import chunk_sizes, split_forward_arguments
 from pyvene_dist.testing.models import reft_model, tiny_llama
-from pyvene_dist.testing.strategies import BROADCAST_FORMATS, forward_call, forward_calls, world_sizes
+from pyvene_dist.testing.generators import BROADCAST_FORMATS, forward_call, forward_calls, world_sizes
 
 
 @functools.lru_cache(maxsize=None)

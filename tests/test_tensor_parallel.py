@@ -56,25 +56,26 @@ def _train_cases(jobs, out, roundtrips=()):
 
 def _roundtrip(strategy, parity_case, saved_by_one, saved_by_ranks):
     """Load what one process saved, infer (no grad), take one step, save for one process to load."""
-    from pyvene_dist.testing.parity import STRATEGIES, _loss, intervention_weights
+    from pyvene_dist.testing import STRATEGIES, intervention_weights
+    from pyvene_dist.testing.training import summed_loss
 
     run = STRATEGIES[strategy]()
     model = run.build(parity_case)
     model.load_intervention(saved_by_one)
     first, second = parity_case.batches()[:2]
     with torch.no_grad():
-        inferred = _loss(model, first, run.device).item()
+        inferred = summed_loss(model, first, run.device).item()
     _step(model, second, run.device)
     model.save_intervention(saved_by_ranks)
     return {"inferred": inferred, "weights": intervention_weights(model)}
 
 
 def _step(model, batch, device):
-    from pyvene_dist.testing.parity import _loss
+    from pyvene_dist.testing.training import summed_loss
 
     optimizer = torch.optim.SGD([p for p in model.interventions.parameters() if p.requires_grad], lr=0.5)
     optimizer.zero_grad(set_to_none=True)
-    _loss(model, batch, device).backward()
+    summed_loss(model, batch, device).backward()
     optimizer.step()
 
 
@@ -165,14 +166,15 @@ def test_interventions_saved_by_one_process_load_under_tensor_parallel_and_back(
     """One process's interventions infer the same under TP; what the TP ranks save after a step (rank 0
     writes it once) loads in one process to the weights the ranks hold, and infers as one process that
     took the same step."""
-    from pyvene_dist.testing.parity import _loss, intervention_weights
+    from pyvene_dist.testing import intervention_weights
+    from pyvene_dist.testing.training import summed_loss
 
     records, roundtrips = request.getfixturevalue("tp_records" if strategy == "tp" else "mesh_records")
     found = records[key(strategy, parity_case) + "/roundtrip"]
     folder, model = saved_by_one[key(strategy, parity_case)]
     first, second = parity_case.batches()[:2]
     with torch.no_grad():
-        expected = _loss(model, first, torch.device("cpu")).item()
+        expected = summed_loss(model, first, torch.device("cpu")).item()
     assert found["inferred"] == pytest.approx(expected, rel=1e-6)
     saved_by_ranks = next(r[3] for r in roundtrips if r[:2] == (strategy, parity_case))
     loaded = parity_case.build()
@@ -181,8 +183,8 @@ def test_interventions_saved_by_one_process_load_under_tensor_parallel_and_back(
         torch.testing.assert_close(weight, found["weights"][name], rtol=1e-5, atol=1e-6, msg=f"saved {name}")
     _step(model, second, torch.device("cpu"))  # the same step in one process: the same interventions
     with torch.no_grad():
-        assert _loss(loaded, first, torch.device("cpu")).item() == pytest.approx(
-            _loss(model, first, torch.device("cpu")).item(), rel=1e-5)
+        assert summed_loss(loaded, first, torch.device("cpu")).item() == pytest.approx(
+            summed_loss(model, first, torch.device("cpu")).item(), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -3,23 +3,21 @@
 Use them to test your own interventions::
 
     from pyvene_dist.testing import ParityCase, train, assert_parity
+
+The harness in parts: ``case`` (what to train, ``Record``, ``Tolerance``), ``runners`` and
+``tensor_parallel`` (the strategies), ``requirements`` (what each needs of the machine), ``registry``
+(``STRATEGIES``), ``training`` (``train``) and ``comparison`` (``assert_parity``).
 """
 
+from .case import DEEPSPEED_BF16, TOLERANCES, ParityCase, Record, Tolerance, tolerance
+from .comparison import Differences, assert_parity, differences, intervention_grads, intervention_weights
 from .launch import WorldOutcome, spawn
-from .parity import (
-    STRATEGIES,
-    TOLERANCES,
-    Differences,
-    ParityCase,
-    Record,
-    Strategy,
-    Tolerance,
-    assert_parity,
-    differences,
-    train,
-)
+from .registry import STRATEGIES
+from .runners import Strategy
+from .training import train
 
 __all__ = [
+    "DEEPSPEED_BF16",
     "STRATEGIES",
     "TOLERANCES",
     "Differences",
@@ -30,6 +28,9 @@ __all__ = [
     "WorldOutcome",
     "assert_parity",
     "differences",
+    "intervention_grads",
+    "intervention_weights",
     "spawn",
+    "tolerance",
     "train",
 ]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import models
-from .parity import ParityCase
+from .case import ParityCase
 
 #: Files whose presence means a local model directory holds weights (else it is built from its config).
 WEIGHT_FILES = (

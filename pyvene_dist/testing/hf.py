@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from .case import ParityCase, Record
+from .comparison import intervention_grads, intervention_weights
 from .models import import_pyreft
-from .parity import ParityCase, Record, intervention_grads, intervention_weights
 
 
 def examples(case: ParityCase, steps: int | None = None) -> list[dict[str, torch.Tensor]]:

@@ -127,21 +127,60 @@ def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int =
     return _build(LlamaForCausalLM, config, seed, dtype, attention)
 
 
+#: Llama shapes the benchmarks build (``llama``): a tiny one, and released models' shapes with random weights.
+LLAMA_SHAPES = {
+    "tiny": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                         tie_word_embeddings=True),
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                       tie_word_embeddings=False),
+}
+
+
+def llama(shape: str, *, dtype: torch.dtype, device, attention: str = "sdpa", checkpointing: bool = False,
+          seed: int = 0, layers: int | None = None):
+    """A Llama of ``shape`` (a key of ``LLAMA_SHAPES``), its random weights made on ``device`` in ``dtype``;
+    ``checkpointing``: non-reentrant activation checkpointing of every decoder layer; ``layers``: that many
+    decoder layers instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in LLAMA_SHAPES:
+        raise ValueError(f"model shape {shape!r} is not one of {sorted(LLAMA_SHAPES)}")
+    config = LlamaConfig(**{**LLAMA_SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})})
+    model = _build(LlamaForCausalLM, config, seed, dtype, attention, device=device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 NUM_LABELS = 3
 BASE_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gemma2": tiny_gemma2,
                "gpt2": tiny_gpt2, "gpt-neox": tiny_gpt_neox, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
 CLASSIFIERS = frozenset({"llama-cls"})
 
 
-def _build(model_class, config, seed: int, dtype: torch.dtype, attention: str = "eager"):
+def _build(model_class, config, seed: int, dtype: torch.dtype, attention: str = "eager", device=None):
     """``model_class(config)`` with weights drawn from ``seed``. Eager attention by default: identical
-    arithmetic on every backend and device."""
+    arithmetic on every backend and device. ``device``: the weights made there, in ``dtype`` (a 7B model in
+    seconds on a GPU, where the host would take minutes); by default on the host, then cast."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
     config._attn_implementation = attention
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        if device is None:
+            model = model_class(config)
+        else:
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    model = model_class(config)
+            finally:
+                torch.set_default_dtype(default)
     if _zero3_enabled():
         model = reload_pretrained(model)
     return model.to(dtype)
@@ -247,9 +286,11 @@ def import_pyreft():
     return pyreft
 
 
-#: Words the checkpoint's tokenizer learns whole, so every example of ``instruction_examples`` has the same
-#: number of tokens (ranks then average equal-sized losses, and DDP's mean equals one process's).
-WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "flies", "up", "down", "here")
+#: Words the checkpoints' tokenizers learn whole (``save_checkpoint``'s and the workload suite's): every example
+#: of ``instruction_examples`` has the same number of tokens (ranks then average equal-sized losses, and DDP's
+#: mean equals one process's); the workloads' sentences mix them with words split into several tokens.
+WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "jumps", "sits", "big", "small", "fast", "slow",
+         "tree", "house", "river", "stone", "light", "dark", "warm", "cold")
 
 
 def save_checkpoint(folder, *, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -1,7 +1,8 @@
-"""Hypothesis strategies for pyvene's forward arguments, in every location format pyvene accepts.
+"""Hypothesis generators (what hypothesis calls strategies; here "strategy" means a parallel one) for pyvene's
+forward arguments, in every location format pyvene accepts.
 
     from hypothesis import given
-    from pyvene_dist.testing.strategies import forward_calls, world_sizes
+    from pyvene_dist.testing.generators import forward_calls, world_sizes
 
     @given(call=forward_calls(max_interventions=3), world_size=world_sizes())
     def test_split(call, world_size): ...

@@ -1,0 +1,73 @@
+"""The one registry of strategies: each name, how to make its runner, and what a machine needs to run it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .requirements import Requirement, any_machine, gpu_per_rank, installed, two_dimensional, two_gpus
+from .runners import DDP, FSDP1, FSDP2, Accelerate, DataParallel, DeepSpeed, DeviceMap, Strategy
+from .tensor_parallel import HSDP, TensorParallel, TensorParallelFSDP2
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One strategy of the registry: how to make it (``STRATEGIES[name](device)``), what a machine needs to
+    run it, whether one process runs it over every visible device (listed once, not per world size), and
+    the ``TrainingArguments`` that switch it on in HF Trainer, for the strategies the workload suite
+    (tests/workloads) runs users' Trainer flows under (None: not run that way)."""
+
+    make: Callable[..., Strategy]
+    needs: Requirement = any_machine
+    one_process: bool = False
+    trainer_arguments: Callable[[], dict] | None = None
+
+    def __call__(self, *args, **kwargs) -> Strategy:
+        return self.make(*args, **kwargs)
+
+    def unavailable(self, world_size: int, gpus: int) -> str | None:
+        return self.needs(world_size, gpus)
+
+
+def _zero(stage: int, **options) -> Callable[..., Strategy]:
+    return lambda device=None: DeepSpeed(stage, device=device, **options)
+
+
+def _no_arguments() -> dict:
+    return {}  # the process group the launcher made is all HF Trainer needs (DDP), or none (one process)
+
+
+def _fsdp2_arguments() -> dict:
+    return {"fsdp": True, "fsdp_config": {"version": 2}}
+
+
+def _deepspeed_arguments(stage: str) -> Callable[[], dict]:
+    def arguments() -> dict:
+        from .hf import deepspeed_config  # imports transformers: only when asked
+
+        return {"deepspeed": deepspeed_config(stage)}
+
+    return arguments
+
+
+#: Every strategy the harness trains, ``pyvene-dist check`` runs (``check.CHECKED``) and benchmarks use.
+STRATEGIES: dict[str, Registered] = {
+    "single": Registered(Strategy, trainer_arguments=_no_arguments),
+    "ddp": Registered(DDP, trainer_arguments=_no_arguments),
+    "fsdp2": Registered(FSDP2, trainer_arguments=_fsdp2_arguments),
+    "fsdp1": Registered(FSDP1, gpu_per_rank),
+    "zero1": Registered(_zero(1), installed("deepspeed")),
+    "zero2": Registered(_zero(2), installed("deepspeed"), trainer_arguments=_deepspeed_arguments("2")),
+    "zero3": Registered(_zero(3), installed("deepspeed"), trainer_arguments=_deepspeed_arguments("3")),
+    "zero2-offload": Registered(_zero(2, offload=True), installed("deepspeed")),
+    # Host-memory offload is what a GPU run is after; on a CPU-only machine it is ZeRO-3 again.
+    "zero3-offload": Registered(_zero(3, offload=True), installed("deepspeed", gpu_per_rank)),
+    "zero3-nvme": Registered(_zero(3, offload="nvme"), installed("deepspeed")),
+    "accelerate": Registered(Accelerate, installed("accelerate")),
+    "dataparallel": Registered(DataParallel, two_gpus, one_process=True),
+    "device_map": Registered(DeviceMap, installed("accelerate", two_gpus), one_process=True),
+    "tp": Registered(TensorParallel),  # over every rank; the world size must divide the key/value heads
+    "tp-by-hand": Registered(lambda device=None: TensorParallel(device, by_hand=True)),
+    "tp-fsdp2": Registered(TensorParallelFSDP2, two_dimensional),
+    "hsdp": Registered(HSDP, two_dimensional),
+}

@@ -1,0 +1,36 @@
+"""What a strategy needs of the machine: given a world size and the GPU count, None when it can run, else why not."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+#: Given a world size and the machine's GPU count: None when the machine can run it, else why not.
+Requirement = Callable[[int, int], "str | None"]
+
+
+def any_machine(world_size: int, gpus: int) -> str | None:
+    return None  # world sizes are checked against the machine by the caller (pyvene-dist check's validate)
+
+
+def gpu_per_rank(world_size: int, gpus: int) -> str | None:
+    return None if gpus >= world_size else f"needs {world_size} GPUs, found {gpus}"
+
+
+def two_gpus(world_size: int, gpus: int) -> str | None:
+    return None if gpus >= 2 else f"needs 2 GPUs, found {gpus}"
+
+
+def two_dimensional(world_size: int, gpus: int) -> str | None:
+    if world_size >= 4 and world_size % 2 == 0:
+        return None
+    return f"needs a 2-D mesh (data x 2): an even world size of 4 or more, got {world_size}"
+
+
+def installed(package: str, then: Requirement = any_machine) -> Requirement:
+    def needs(world_size: int, gpus: int) -> str | None:
+        import importlib.util
+
+        return f"{package} not installed" if importlib.util.find_spec(package) is None else then(world_size, gpus)
+
+    return needs
