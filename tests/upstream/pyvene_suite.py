@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS_ENV = "PYVENE_DIST_PYVENE_TESTS"
 UPSTREAM = ROOT.parent / "shared" / "upstream" / "pyvene-v0.1.8"
 MODES = ("stock", "patched")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import wrapt
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "upstream_patches.py"
 
 #: One process, DDP, FSDP2, ZeRO-2/3, gradient checkpointing, checkpoints, device_map offload, and
