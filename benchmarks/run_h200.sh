@@ -68,10 +68,10 @@ for part in "$@"; do
       python3 benchmarks/generation.py --providers pyvene_dist --new-tokens 1024 --rounds 5 \
         --out "$OUT/generation.jsonl" ;;
     tests)  # the GPU tests of the latest changes
-      bash scripts/gpu_checks.sh tests/test_householder.py tests/test_fast_path.py tests/test_devices.py \
-        tests/test_checkpointing.py ;;
+      bash scripts/gpu_checks.sh tests/fixes/test_householder.py tests/fixes/test_fast_path.py tests/fixes/test_devices.py \
+        tests/fixes/test_gradient_checkpointing.py ;;
     graphs)  # capture by CUDA graphs, and the sync check
-      bash scripts/gpu_checks.sh tests/test_fast_path.py -k "cuda_graphs or steady_state" ;;
+      bash scripts/gpu_checks.sh tests/fixes/test_fast_path.py -k "cuda_graphs or steady_state" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac 2>&1 | grep --line-buffered -v "Warning: \|return func" > "$OUT/$part.log"
   tail -5 "$OUT/$part.log"

@@ -8,9 +8,9 @@ and Adam state, and the activations autograd keeps to reach the interventions.
 
 The activation terms are those of a Llama-family decoder layer (RMSNorm, grouped-query attention, gated
 MLP) under transformers 5 with frozen weights, counted tensor by tensor from what autograd saves
-(``torch.autograd.graph.saved_tensors_hooks``; ``tests/test_plan.py`` checks them on CPU), and the peak
+(``torch.autograd.graph.saved_tensors_hooks``; ``tests/docs/test_plan.py`` checks them on CPU), and the peak
 from where backward starts. Other architectures are estimated as if they had that layer. The results are
-checked against the measured peaks in ``benchmarks/results`` (``tests/test_plan.py``).
+checked against the measured peaks in ``benchmarks/results`` (``tests/docs/test_plan.py``).
 """
 
 from __future__ import annotations

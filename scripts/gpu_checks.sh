@@ -2,7 +2,7 @@
 # On a GPU machine of the device tool: install the carried wheels (.whl/, made by
 # ../shared/device/make-wheels.sh), then run the given pytest targets with the nccl backend.
 # Logs and JUnit XML go to $OUT (or ./gpu-out).
-#   bash scripts/gpu_checks.sh tests/test_data_parallel.py tests/test_ddp.py
+#   bash scripts/gpu_checks.sh tests/fixes/test_data_parallel.py tests/strategies/test_ddp.py
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" || exit 1
 out=$OUT

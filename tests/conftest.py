@@ -1,3 +1,7 @@
+"""Loaded first by every test run under tests/: with no ``__init__.py`` here, pytest (``--import-mode=prepend``,
+setup.cfg) puts this folder on ``sys.path``, so the modules of tests/fixes/, tests/strategies/ and the other
+folders import ``helpers``, ``launchers`` and ``pyreft_setup`` by name, as do the ranks they spawn."""
+
 import os
 
 import pytest

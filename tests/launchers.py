@@ -4,11 +4,15 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pyvene_dist.testing import Record
+
+#: The scripts users write, which the tests start under launchers (tests/scripts).
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def run_launcher(tmp_path, launcher_arguments, script_arguments=(), *, timeout=480, env=None):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_docs import blocks, shell_commands
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 VENV = ".venv/bin/"
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import run_launcher, run_together
+from launchers import SCRIPTS, run_launcher, run_together
 from pyvene_dist.testing import ParityCase, assert_parity
 
-SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.slow
 
 
@@ -76,7 +75,7 @@ def test_torchrun_hf_trainer_fsdp_matches_one_process(tmp_path, version):
 
 # --- docs/examples/train_reft.py on a checkpoint folder, under every launcher --------------------------------
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
 CONFIGS = ROOT / "docs" / "configs"
 TRAIN = str(EXAMPLES / "train_reft.py")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 TEST_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -49,14 +49,14 @@ class RunBy:
 
 
 CI = RunBy("scripts/setup.sh", note="CI runs `bash scripts/setup.sh && .venv/bin/python -m pytest`")
-LAUNCHERS = "tests/test_launchers.py::test_torchrun_pyreft_trainer_matches_one_process"
-ACCELERATE_LAUNCH = "tests/test_accelerate.py::test_accelerate_launch_with_the_documented_config"
+LAUNCHERS = "tests/strategies/test_launchers.py::test_torchrun_pyreft_trainer_matches_one_process"
+ACCELERATE_LAUNCH = "tests/strategies/test_accelerate.py::test_accelerate_launch_with_the_documented_config"
 #: The full check runs every strategy, each as `--strategies <name>` alone would (the test asserts every row).
-DEFAULT_CHECK = RunBy("tests/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
+DEFAULT_CHECK = RunBy("tests/docs/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
                       ("set(rows) == set(check.CHECKED)",))
-GPU_CHECK = RunBy("tests/test_check.py::test_every_strategy_agrees_on_gpus",
+GPU_CHECK = RunBy("tests/docs/test_check.py::test_every_strategy_agrees_on_gpus",
                   ('{name: "agrees" for name in check.CHECKED}',), gpus=2)
-UPSTREAM_SERIES = "tests/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
+UPSTREAM_SERIES = "tests/upstream/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
 
 #: Commands this file runs, with the exit code they must give.
@@ -65,8 +65,8 @@ RUN_HERE: dict[str, int] = {
     "pyvene-dist check --model gpt2 --dtype bfloat16 --strategies ddp --json": 0,
 }
 
-#: docs/examples/train_reft.py on a checkpoint folder, under each launcher (tests/test_launchers.py).
-TRAIN_REFT = "tests/test_launchers.py::test_train_reft_under_a_launcher_matches_one_process"
+#: docs/examples/train_reft.py on a checkpoint folder, under each launcher (tests/strategies/test_launchers.py).
+TRAIN_REFT = "tests/strategies/test_launchers.py::test_train_reft_under_a_launcher_matches_one_process"
 _REFT_ARGS = "--model path/to/model --data train.json --output_dir out"
 _TWO_NODES = ("torchrun --nnodes 2 --nproc_per_node 1 --node_rank {} --rdzv_backend c10d --rdzv_endpoint localhost:29500 "
               "docs/examples/train_reft.py " + _REFT_ARGS)
@@ -74,7 +74,7 @@ _ZERO3_ARGS = _REFT_ARGS + " --deepspeed docs/configs/deepspeed-zero3.json"
 _DEEPSPEED_TWO_NODES = ("deepspeed --hostfile hostfile --no_ssh --node_rank {} --master_addr 127.0.0.1 "
                         "--master_port 29500 docs/examples/train_reft.py " + _ZERO3_ARGS)
 TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
-    f"python docs/examples/train_reft.py {_REFT_ARGS}": RunBy("tests/test_launchers.py::"
+    f"python docs/examples/train_reft.py {_REFT_ARGS}": RunBy("tests/strategies/test_launchers.py::"
                                                              "test_one_process_logs_saves_and_answers", ("[[TRAIN]]",)),
     f"torchrun --nproc_per_node 2 docs/examples/train_reft.py {_REFT_ARGS}":
         RunBy(TRAIN_REFT, ('"--nproc_per_node", "2"', '"torchrun": _torchrun')),
@@ -89,14 +89,14 @@ TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
         '"deepspeed-2-nodes": _deepspeed_two_nodes', '"--no_ssh", "--node_rank", str(rank)',
         '"--master_addr", "127.0.0.1"', "localhost slots=1\\n127.0.0.1 slots=1\\n")) for rank in (0, 1)},
     'python docs/examples/serve_reft.py --interventions out/reft --prompt "red cat runs"':
-        RunBy("tests/test_launchers.py::test_reloaded_interventions_answer_as_the_trained_model",
+        RunBy("tests/strategies/test_launchers.py::test_reloaded_interventions_answer_as_the_trained_model",
               ("serve_each.py", "PROMPT = \"red cat runs\"", "str(out), PROMPT, *folders.values()"),
               note="serve_each.py runs serve_reft.py's settings, load and answer, for each trained folder, in one "
                    "process"),
 }
 
 #: The README's "Try it on CPU" example, run in order by one test.
-README_EXAMPLE = RunBy("tests/test_readme.py::test_the_readme_example_trains_saves_and_reloads_on_cpu",
+README_EXAMPLE = RunBy("tests/docs/test_readme.py::test_the_readme_example_trains_saves_and_reloads_on_cpu",
                        ("example_commands()", "tiny-model", "serve_reft.py", "instructions.json"))
 
 #: Commands other tests (or CI's setup) run.
@@ -108,7 +108,7 @@ RUN_BY: dict[str, RunBy] = {
     "--learning_rate 4e-3": README_EXAMPLE,
     '.venv/bin/python docs/examples/serve_reft.py --interventions out/run/reft --prompt "What colour is snow?"':
         README_EXAMPLE,
-    "pyvene-dist fixes": RunBy("tests/test_cli.py::test_fixes_lists_every_fix_applied_here_with_its_ranges",
+    "pyvene-dist fixes": RunBy("tests/docs/test_cli.py::test_fixes_lists_every_fix_applied_here_with_its_ranges",
                                ('run(capsys, "fixes")',)),
     **{command: RunBy("tests/workloads/test_example_scripts.py::test_alpaca_train_under_torchrun_matches_one_process",
                       evidence) for command, evidence in (
@@ -117,45 +117,45 @@ RUN_BY: dict[str, RunBy] = {
     "bash scripts/setup.sh": CI,
     ".venv/bin/python -m pytest": CI,
     "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),
-    'pip install -e ".[reft,accelerate]"': RunBy("tests/test_packaging.py::test_the_wheel_installs_with_each_extra_"
+    'pip install -e ".[reft,accelerate]"': RunBy("tests/docs/test_packaging.py::test_the_wheel_installs_with_each_extra_"
                                                  "and_lists_the_fixes", ('"reft"', '"accelerate"', 'f"{wheel}[{extra}]"'),
                                                  note="the wheel, with each extra; setup.sh installs the test extra"),
     "pip install --no-deps pyreft==0.1.0": RunBy("scripts/setup.sh", ("pip install --no-deps pyreft==0.1.0",)),
     ".venv/bin/pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist plan --model path/to/model --gpus 8 --nodes 2 --batch 8 --seq-len 1024":
-        RunBy("tests/test_plan.py::test_the_command_prints_every_strategy_and_whether_it_fits",
+        RunBy("tests/docs/test_plan.py::test_the_command_prints_every_strategy_and_whether_it_fits",
               ('"--model", str(config_folder)', '"--gpus"', '"--batch"', '"--seq-len"')),
     "pyvene-dist plan --model llama-1b --gpus 2 --batch 8 --seq-len 512 --layers 2,8":
-        RunBy("tests/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
+        RunBy("tests/docs/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
     "pyvene-dist check --model path/to/model --strategies ddp":
-        RunBy("tests/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
+        RunBy("tests/docs/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
               ('"--model", str(tmp_path)', '"--strategies"')),
     "pyvene-dist check --strategies ddp,ddp+checkpointing": DEFAULT_CHECK,
     "pyvene-dist check --strategies fsdp2,fsdp2+checkpointing,fsdp1,fsdp1+checkpointing": DEFAULT_CHECK,
     "pyvene-dist check --strategies accelerate": DEFAULT_CHECK,
     "pyvene-dist check --strategies tp,tp-fsdp2,hsdp": DEFAULT_CHECK,
-    "python -m pytest tests/test_tensor_parallel.py": RunBy("tests/test_tensor_parallel.py",
+    "python -m pytest tests/fixes/test_tensor_parallel.py": RunBy("tests/fixes/test_tensor_parallel.py",
                                                             note="CI's pytest run includes this file"),
-    "bash scripts/gpu_checks.sh tests/test_tensor_parallel.py -k one_gpu":
-        RunBy("tests/test_tensor_parallel.py::test_tensor_parallel_of_one_gpu_matches_one_gpu",
+    "bash scripts/gpu_checks.sh tests/fixes/test_tensor_parallel.py -k one_gpu":
+        RunBy("tests/fixes/test_tensor_parallel.py::test_tensor_parallel_of_one_gpu_matches_one_gpu",
               ("scripts/gpu_checks.sh",), gpus=1),
     "pyvene-dist check --strategies dataparallel": GPU_CHECK,
     "pyvene-dist check --strategies device_map": GPU_CHECK,
     "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt":
         RunBy(LAUNCHERS, ('"--nproc_per_node", str(nproc)', "launch(tmp_path, 2")),
     "CUDA_VISIBLE_DEVICES=0,1 python tests/scripts/train_with_trainer.py /tmp/record.pt --trainer ReftTrainer":
-        RunBy("tests/test_data_parallel.py::test_hf_trainer_data_parallel_matches_one_gpu",
+        RunBy("tests/fixes/test_data_parallel.py::test_hf_trainer_data_parallel_matches_one_gpu",
               ('"0,1"', '"--trainer"', "CUDA_VISIBLE_DEVICES"), gpus=2),
     "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt --fsdp 2":
-        RunBy("tests/test_launchers.py::test_torchrun_hf_trainer_fsdp_matches_one_process",
+        RunBy("tests/strategies/test_launchers.py::test_torchrun_hf_trainer_fsdp_matches_one_process",
               ('"--fsdp", str(version)', "[2, 1]"), gpus=2),
     "accelerate launch --config_file docs/configs/accelerate-ddp.yaml tests/scripts/train_with_accelerate.py /tmp/r.pt":
         RunBy(ACCELERATE_LAUNCH, ("accelerate.commands.launch", "--config_file"), gpus=2),
     "accelerate launch --config_file docs/configs/accelerate-fsdp2.yaml tests/scripts/train_with_accelerate.py "
     "/tmp/r.pt": RunBy(ACCELERATE_LAUNCH, ("accelerate.commands.launch", "--config_file"), gpus=2),
     "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/train_with_accelerate.py /tmp/r.pt":
-        RunBy("tests/test_accelerate.py::test_accelerate_script_under_torchrun",
+        RunBy("tests/strategies/test_accelerate.py::test_accelerate_script_under_torchrun",
               ('"ACCELERATE_USE_CPU": "1"', '"--nproc_per_node", "2"')),
     "python scripts/upstream_patches.py apply /tmp/up": RunBy(UPSTREAM_SERIES, ('"apply"',)),
     'PYTHONPATH=/tmp/up python -c "import pyvene; print(sorted(pyvene.FIXES))"':
@@ -163,23 +163,23 @@ RUN_BY: dict[str, RunBy] = {
     "for diff in $(grep -v '^#' /path/to/pyvene_dist/fixes/pyvene/series); do patch -p1 --fuzz=0 < "
     "/path/to/pyvene_dist/fixes/pyvene/$diff || break; done":
         RunBy("scripts/upstream_patches.py", ('"patch", "-p1", "--fuzz=0"', "series"),
-              note="the script applies each diff of the series this way; tests/test_upstream_patches.py runs it"),
-    ".venv/bin/python -m pytest tests/test_upstream_patches.py": RunBy("tests/test_upstream_patches.py", note="CI's "
+              note="the script applies each diff of the series this way; tests/upstream/test_upstream_patches.py runs it"),
+    ".venv/bin/python -m pytest tests/upstream/test_upstream_patches.py": RunBy("tests/upstream/test_upstream_patches.py", note="CI's "
                                                                        "pytest run includes this file"),
     "python benchmarks/scaling.py --strategies ddp,fsdp2,zero2,zero3 --world-sizes 1,2 --model llama-1b":
-        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles",
+        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles",
               ('"--strategies", "ddp,fsdp2,zero3"',), note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 2 --model llama-1b "
     "--checkpointing non-reentrant --zero '{\"stage3_max_live_parameters\": 3e7, \"stage3_max_reuse_distance\": 0, "
     "\"stage3_prefetch_bucket_size\": 3e7, \"reduce_bucket_size\": 5e6}'":
-        RunBy("tests/test_benchmarks.py::test_scaling_smoke_takes_deepspeed_memory_settings",
+        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_takes_deepspeed_memory_settings",
               ('"--zero"', "stage3_max_live_parameters"), note=BENCHMARK_NOTE),
-    "python benchmarks/overhead.py": RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
+    "python benchmarks/overhead.py": RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
                                            note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --smoke":
-        RunBy("tests/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
+        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
     "python benchmarks/overhead.py --smoke":
-        RunBy("tests/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
+        RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
 }
 
 #: Every file in docs/configs/, and the test that uses it (its file must name it).
@@ -189,9 +189,9 @@ CONFIGS = {
     "accelerate-zero2.yaml": TRAIN_REFT,
     "accelerate-zero3.yaml": TRAIN_REFT,
     "accelerate-zero3-offload.yaml": TRAIN_REFT,
-    "deepspeed-zero2.json": "tests/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
-    "deepspeed-zero3.json": "tests/test_launchers.py::test_zero3_loads_the_checkpoint_partitioned",
-    "deepspeed-zero3-offload.json": "tests/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
+    "deepspeed-zero2.json": "tests/docs/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
+    "deepspeed-zero3.json": "tests/strategies/test_launchers.py::test_zero3_loads_the_checkpoint_partitioned",
+    "deepspeed-zero3-offload.json": "tests/docs/test_docs.py::test_deepspeed_configs_carry_the_measured_settings",
 }
 
 
@@ -338,7 +338,7 @@ def test_every_command_is_run_here_or_by_a_named_test():
     assert any(command == ".venv/bin/pyvene-dist check" for _, command in commands)  # the reader found the README's
     unregistered = [f"{where}: {command}" for where, command in commands if command not in RUN_HERE | RUN_BY]
     assert not unregistered, ("commands in the docs that no test runs; add each to RUN_HERE or RUN_BY in "
-                              "tests/test_docs.py:\n" + "\n".join(unregistered))
+                              "tests/docs/test_docs.py:\n" + "\n".join(unregistered))
 
 
 def test_registered_commands_are_still_in_the_docs():

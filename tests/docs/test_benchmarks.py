@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 pytestmark = pytest.mark.slow
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
-from test_pyreft_flows import PROMPT, SENTENCES, build_folder, load, loreft
+from pyreft_setup import PROMPT, SENTENCES, build_folder, load, loreft
 
 #: fp32, whole batch against its parts: the sums differ only in their order.
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -42,7 +42,7 @@ def train_causal_lm(folder, output_dir, batch_size, accumulation=1, adjust=None)
     """pyreft's README flow on variable-length answers: returns per-step losses and gradients, and the weights."""
     import pyreft
 
-    from test_pyreft_flows import arguments
+    from pyreft_setup import arguments
 
     model, tokenizer = load(folder)
     reft_model = pyreft.get_reft_model(model, loreft(model, [0, 1]))
@@ -128,7 +128,7 @@ def train_classifier(folder, output_dir, batch_size, accumulation=1):
     import pyreft
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-    from test_pyreft_flows import arguments
+    from pyreft_setup import arguments
 
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="right")
     torch.manual_seed(0)  # the classifier head is new: the same one in every run
@@ -228,7 +228,7 @@ def train_reward_model(folder, output_dir, trainer_class, pairs, accumulation=1)
     import pyreft
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from test_pyreft_flows import arguments
+    from pyreft_setup import arguments
 
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="right")
     tokenizer.pad_token = tokenizer.unk_token

@@ -19,7 +19,7 @@ from pyvene_dist.testing import ParityCase, Record, Strategy, assert_parity, tra
 from pyvene_dist.testing.models import reft_model, tiny_llama
 from pyvene_dist.testing.generators import forward_call
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 
 def replicate_like_torch(network, copies):

@@ -1,6 +1,6 @@
 """pyvene's own test suite (v0.1.8) passes with ``pyvene_dist.patch()`` wherever it passes stock.
 
-tests/pyvene_suite.py runs pyvene's unit and integration tests twice, stock and patched, on local stand-ins
+tests/upstream/pyvene_suite.py runs pyvene's unit and integration tests twice, stock and patched, on local stand-ins
 for the hub models they load by name, and compares the outcomes test by test. A test that passes stock and
 not patched is a pyvene_dist bug: the failure names it with the patched traceback's last lines. A stock
 failure that ``STOCK_FAILURES`` does not explain fails too, since it means the harness (a hub stand-in, say)

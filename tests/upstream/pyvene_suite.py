@@ -1,9 +1,9 @@
 """pyvene's own test suite (v0.1.8), run stock and with ``pyvene_dist.patch()``, compared test by test.
 
-    python tests/pyvene_suite.py [--tests FOLDER] [--llama]
+    python tests/upstream/pyvene_suite.py [--tests FOLDER] [--llama]
 
 prints each mode's outcome counts, the tests that fail stock (with the known reason), and every test that
-passes stock but not patched; it exits 1 when there is one. tests/test_pyvene_suite.py runs the same in CI.
+passes stock but not patched; it exits 1 when there is one. tests/upstream/test_pyvene_suite.py runs the same in CI.
 
 The tests are pyvene's, unmodified, from ``../shared/upstream/pyvene-v0.1.8`` beside the repository
 (``PYVENE_DIST_PYVENE_TESTS`` names another folder holding ``tests/``). Each mode gets a copy in a
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS_ENV = "PYVENE_DIST_PYVENE_TESTS"
 UPSTREAM = ROOT.parent / "shared" / "upstream" / "pyvene-v0.1.8"
 MODES = ("stock", "patched")

@@ -76,19 +76,6 @@ def test_head_and_position_units_match_unpatched_pyvene():
     assert torch.equal(fast.logits, stock.logits)
 
 
-def test_rotation_is_computed_once_per_intervention_per_forward(patched):
-    reft = _reft(layers=(0, 1))
-    calls = []
-    for intervention in reft.interventions.values():
-        orthogonal = intervention.rotate_layer.parametrizations.weight[0]
-        orthogonal.register_forward_hook(lambda *_: calls.append(1))
-    ids = torch.randint(models.VOCAB_SIZE, (B, S))
-    reft({"input_ids": ids}, unit_locations={"base": 2}, labels=ids)
-    assert len(calls) == 2, f"{len(calls)} rotations built for 2 interventions (LoReFT reads its weight 3 times)"
-    reft({"input_ids": ids}, unit_locations={"base": 2}, labels=ids)
-    assert len(calls) == 4, "a second call must build the rotations afresh (the weights may have changed)"
-
-
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_checkpointed_training_on_a_gpu_matches_training_without(attention):

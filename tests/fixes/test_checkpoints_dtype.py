@@ -66,7 +66,7 @@ def test_reloaded_interventions_answer_exactly_as_trained(patched, checkpoint, t
         _, trained = reft_model({"input_ids": ids}, unit_locations=locations)
     out = tmp_path / "answer.pt"
     torch.save({"ids": ids, "locations": locations}, out)
-    tests = str(Path(__file__).parent)  # helpers, for the fresh process as for this one
+    tests = str(Path(__file__).parents[1])  # helpers, for the fresh process as for this one
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
     subprocess.run([sys.executable, "-c", LOAD_AND_ANSWER, str(checkpoint), str(saved), dtype, str(out)], check=True,
                    env={**os.environ, "PYTHONPATH": path})

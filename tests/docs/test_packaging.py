@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EXTRAS = ("reft", "deepspeed", "accelerate", "ray", "test", "bench")
 #: Extras CI's set-up does not install (their size), installed here only where their package is.
 NOT_IN_CI = {"ray": "ray"}

@@ -13,7 +13,7 @@ import torch
 
 from pyvene_dist import plan
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 #: The rows with a measured peak memory per GPU, of training runs plan models.
 #: Measured before the hot path's rewrites (benchmarks/results/archive/README.md): peak memory follows the model,

@@ -193,7 +193,7 @@ def test_interventions_saved_by_one_process_load_under_tensor_parallel_and_back(
 @pytest.mark.parametrize("component", ("attention_output", "attention_value_output", "head_query_output"))
 def test_tensor_parallel_of_one_gpu_matches_one_gpu(component):
     """TP size 1 on one GPU through the same hooks (DTensor weights, DTensor o_proj inputs):
-    bash scripts/gpu_checks.sh tests/test_tensor_parallel.py -k one_gpu"""
+    bash scripts/gpu_checks.sh tests/fixes/test_tensor_parallel.py -k one_gpu"""
     helpers.patch()
     parity_case = case("llama", component)
     for strategy in ("tp-by-hand", "tp"):

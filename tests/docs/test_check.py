@@ -122,7 +122,7 @@ def test_a_missing_package_is_the_reason(monkeypatch):
 
 
 def test_zero_in_bfloat16_runs_against_deepspeeds_bf16_bound(monkeypatch):
-    """ZeRO in bf16 runs (tests/test_deepspeed.py trains it; nothing refuses it) and is judged by the 8-ulp
+    """ZeRO in bf16 runs (tests/fixes/test_deepspeed.py trains it; nothing refuses it) and is judged by the 8-ulp
     DeepSpeed bf16 bound."""
     from pyvene_dist.testing import ParityCase
     from pyvene_dist.testing import DEEPSPEED_BF16, TOLERANCES, tolerance
@@ -277,7 +277,7 @@ def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message):
 
 @pytest.mark.gpus(2)
 def test_every_strategy_agrees_on_gpus():
-    """The 2-GPU table: `pytest tests/test_check.py -k gpus -s` prints it."""
+    """The 2-GPU table: `pytest tests/docs/test_check.py -k gpus -s` prints it."""
     result = cli("--json")
     assert result.stdout.strip(), f"exit code {result.returncode}, no rows:\n{result.stderr[-5000:]}"
     rows = [check.Row(**row) for row in json.loads(result.stdout)]

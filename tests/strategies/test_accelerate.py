@@ -11,7 +11,7 @@ import torch.distributed as dist
 import helpers
 from pyvene_dist.testing import ParityCase, assert_parity, train
 
-DOCS = Path(__file__).parents[1] / "docs" / "configs"
+DOCS = Path(__file__).parents[2] / "docs" / "configs"
 
 
 @pytest.mark.world_size(1, 2)
@@ -45,7 +45,7 @@ def test_accelerate_fsdp2_plugin_shards_the_layers():
         assert_parity(train(case, "single"), candidate, case.tolerance)
 
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "train_with_accelerate.py")
+SCRIPT = str(Path(__file__).parents[1] / "scripts" / "train_with_accelerate.py")
 
 
 @pytest.mark.slow

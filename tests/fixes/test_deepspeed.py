@@ -186,9 +186,8 @@ def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(tmp_path, stage
     """The reference is one patched process (``patched``), as the script's ranks are: stock pyvene's
     ``zero_grad`` keeps the trainable head's gradients summing from step to step (``fixes.zero_grad``; the
     third loss is then 1.5e-3 off)."""
-    from launchers import run_launcher
+    from launchers import SCRIPTS, run_launcher
     from pyvene_dist.testing.launch import free_port
-    from test_launchers import SCRIPTS
 
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                 str(SCRIPTS / "train_with_trainer.py")]

@@ -4,7 +4,7 @@ interventions of the forward that recorded it, and the base model called directl
 Every case runs the same steps on the same model twice, without checkpointing (the reference) and with
 it, and compares what came out: intervention gradients and any logits the steps return. With a GPU
 the cases run there too (backward, and so the recomputation, then runs on the autograd engine's device
-thread): ``pytest tests/test_checkpointing_forwards.py -k cuda``.
+thread): ``pytest tests/fixes/test_gradient_checkpointing_forwards.py -k cuda``.
 """
 
 import warnings
