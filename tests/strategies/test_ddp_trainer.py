@@ -1,35 +1,11 @@
-"""HF Trainer under an initialised process group: DDP settings chosen for ReFT models."""
+"""HF Trainer under an initialised process group: DDP parity at components beside the suite's (its DDP settings for
+ReFT models are fixes/test_hf_trainer.py's)."""
 
 import pytest
 import torch.distributed as dist
 
 import helpers
 from pyvene_dist.testing import ParityCase, assert_parity, train
-
-
-@pytest.mark.world_size(2)
-def test_ddp_does_not_search_for_unused_parameters(tmp_path):
-    import pyreft
-    from transformers import TrainingArguments
-
-    helpers.patch()
-    model = ParityCase().build()
-    args = TrainingArguments(output_dir=str(tmp_path / f"rank{dist.get_rank()}"), report_to=[], use_cpu=True)
-    trainer = pyreft.ReftTrainer(model=model, args=args)
-    assert trainer.accelerator.ddp_handler.find_unused_parameters is False
-    assert args.ddp_find_unused_parameters is None  # the user's arguments are left as they were
-
-
-@pytest.mark.world_size(2)
-def test_an_explicit_setting_wins(tmp_path):
-    import pyreft
-    from transformers import TrainingArguments
-
-    helpers.patch()
-    args = TrainingArguments(output_dir=str(tmp_path / f"rank{dist.get_rank()}"), report_to=[], use_cpu=True,
-                             ddp_find_unused_parameters=True)
-    trainer = pyreft.ReftTrainer(model=ParityCase().build(), args=args)
-    assert trainer.accelerator.ddp_handler.find_unused_parameters is True
 
 
 LINKED_AND_MIXED = [
