@@ -100,3 +100,14 @@ def hook_counts(model) -> list[tuple[int, int]]:
     planned = {handle.id for handle in plan.handles} if plan is not None else set()
     assert len(planned) in (0, len(model.interventions)), f"{len(planned)} plan hooks for {len(model.interventions)}"
     return [(len(m._forward_hooks.keys() - planned), len(m._forward_pre_hooks)) for m in model.model.modules()]
+
+
+def backward_names(grad_fn) -> set[str]:
+    """The class names of every autograd node behind ``grad_fn``."""
+    names, pending = set(), [grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    return names

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import helpers
 import pyvene_dist
 from pyvene_dist.fixes import householder
 from pyvene_dist.testing import models
@@ -94,7 +95,7 @@ def test_float32_rotation_gradients_agree_with_torchs_to_rounding():
     expected = grad_of_original()
     with pyvene_dist.patched():
         got = grad_of_original()
-        assert "_HouseholderProductBackward" in _backward_names(rotation.weight.grad_fn)
+        assert "_HouseholderProductBackward" in helpers.backward_names(rotation.weight.grad_fn)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -107,16 +108,6 @@ class _CountOperators(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
-
-
-def _backward_names(grad_fn) -> set[str]:
-    names, pending = set(), [grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is not None:
-            names.add(type(node).__name__)
-            pending.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 def _backward_operators(rank: int) -> int:

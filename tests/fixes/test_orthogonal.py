@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+import helpers
 import pyvene_dist
 from pyvene_dist._registry import REGISTRY
 from pyvene_dist.fixes import orthogonal as graphed
@@ -53,16 +54,6 @@ def _second_order_grads(layer, x):
     return grad, grad_of_grad
 
 
-def _backward_names(grad_fn) -> set[str]:
-    names, pending = set(), [grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is not None:
-            names.add(type(node).__name__)
-            pending.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 def test_a_users_orthogonal_layer_keeps_torchs_eager_path_and_double_backward():
     """Patched, with a ReFT model built in the process: the model's rotations are the fix's, a plain
     ``orthogonal`` layer keeps torch's parametrization, Householder product and double backward (its
@@ -85,7 +76,7 @@ def test_a_users_orthogonal_layer_keeps_torchs_eager_path_and_double_backward():
             assert torch.equal(value, reference), f"{name}: max difference {difference:.3g}"
         assert type(layer.parametrizations.weight[0]) is _Orthogonal
         assert torch.linalg.householder_product is torch._C._linalg.linalg_householder_product
-        names = _backward_names(layer.weight.grad_fn)
+        names = helpers.backward_names(layer.weight.grad_fn)
         assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names, names
         rotations = {type(m) for m in reft.interventions.modules() if isinstance(m, _Orthogonal)}
         assert rotations == {graphed.ReftOrthogonal}
@@ -113,7 +104,7 @@ def test_the_adopted_rotations_forward_is_torchs_bit_for_bit(patched, shape, dty
     assert type(module.parametrizations.weight[0]) is graphed.ReftOrthogonal
     grad_Q = torch.randn(module.weight.shape, dtype=dtype)
     got = module.weight
-    assert "_HouseholderProductBackward" in _backward_names(got.grad_fn)
+    assert "_HouseholderProductBackward" in helpers.backward_names(got.grad_fn)
     (got_grad,) = torch.autograd.grad(got, original, grad_Q)
     pyvene_dist.unpatch()
     assert type(module.parametrizations.weight[0]) is not graphed.ReftOrthogonal
@@ -137,12 +128,12 @@ def test_unpatch_gives_torchs_class_back_and_patch_swaps_it_again():
         duplicate = copy.deepcopy(orthogonal)
     assert type(orthogonal) is _Orthogonal
     assert type(duplicate) is graphed.ReftOrthogonal
-    names = _backward_names(duplicate(X).grad_fn)
+    names = helpers.backward_names(duplicate(X).grad_fn)
     assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names, names
     with pyvene_dist.patched():
         assert type(orthogonal) is graphed.ReftOrthogonal
     with pyvene_dist.patched(exclude=("householder",)):  # the rotation's own fix, torch's product
-        names = _backward_names(orthogonal(X).grad_fn)
+        names = helpers.backward_names(orthogonal(X).grad_fn)
         assert "LinalgHouseholderProductBackward0" in names and "_HouseholderProductBackward" not in names
 
 
