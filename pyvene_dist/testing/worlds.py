@@ -1,8 +1,8 @@
 """Worlds that stay up between tests: process start-up paid once per world, not once per test.
 
 ``spawn`` (``launch.py``) starts N processes, forms their process group, runs one function and ends them.
-On a CPU machine the start-up (a Python per rank importing torch, transformers and pyvene, then the
-rendezvous) costs some 7-15 s of the 10-30 s a small multi-process test takes. A ``World`` starts its
+On the 2-core CPU machine the start-up (a Python per rank importing torch, transformers and pyvene, then
+the rendezvous) took 16 s for two ranks under load, more than many small multi-process tests' bodies. A ``World`` starts its
 ranks once; each ``run`` sends the function to every rank, which calls it in its live process group and
 reports as ``spawn``'s ranks do (passed, skipped, failed with the traceback; a deadline past which every
 live rank's stack is printed).
