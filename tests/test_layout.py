@@ -73,3 +73,63 @@ def test_module_names_are_unique_across_the_folders():
             folders[path.name].append(str(path.parent.relative_to(TESTS.parent)))
     clashes = {name: where for name, where in folders.items() if len(where) > 1}
     assert not clashes, f"modules of one name in several folders (pytest imports them by name): {clashes}"
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """The cycles among ``package``'s modules through the imports each runs when it is imported (its top level;
+    an import inside a function runs later and cannot deadlock or half-initialise a module)."""
+    import ast
+
+    modules = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = collections.defaultdict(set)
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.parse(path.read_text()).body:  # the top level only
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = module if is_package else module.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                prefix = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+                # a submodule named is what runs; any other name is read from the module (or package) itself
+                targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in modules else prefix
+                           for alias in node.names]
+            else:
+                continue
+            edges[module] |= {target for target in targets if target in modules and target != module}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(edges[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(modules):
+        visit(module, [])
+    return cycles
+
+
+def test_pyvene_dist_has_no_import_cycles():
+    import pyvene_dist
+
+    package = Path(pyvene_dist.__file__).parent
+    assert import_cycles(package) == []
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("from .a import thing\n\ndef later():\n    from . import c\n")
+    (package / "c.py").write_text("import loop.b\n")
+    assert import_cycles(package) == [["loop.a", "loop.b", "loop.a"]]
