@@ -1,4 +1,4 @@
-"""What a fix is: ``Fix``, the record each fix module declares, and its ``Site``\ s; how a record is applied
+"""What a fix is: ``Fix``, the record each fix module declares, and its sites (``Site``); how a record is applied
 into the registry (``Fix.patch``), with the checks that refuse a site the installed release changed.
 
 Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is

@@ -32,6 +32,8 @@ class RankOutcome:
     rank: int
     status: str
     detail: str = ""
+    #: False where the rank's process cannot serve another run (``testing.worlds``): it is leaving.
+    reusable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

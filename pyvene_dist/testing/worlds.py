@@ -21,6 +21,7 @@ before the test cannot share the test's captured stdout), so the output shows in
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import gc
 import itertools
@@ -105,7 +106,8 @@ class World:
         try:
             outcomes = _collect(self._processes, self._results, workdir, timeout=timeout, grace=grace)
         finally:
-            if len(outcomes) < self.world_size or any(o.status not in (PASSED, SKIPPED) for o in outcomes.values()):
+            if len(outcomes) < self.world_size or any(o.status not in (PASSED, SKIPPED) or not o.reusable
+                                                      for o in outcomes.values()):
                 self.close(reported={rank for rank, o in outcomes.items() if o.status in (PASSED, SKIPPED, FAILED)})
             for output in outputs:  # what each rank printed, into the test's captured output
                 if output.exists():
@@ -170,13 +172,12 @@ def _serve(rank, world_size, backend, store_path, env, tasks, results, stack_pat
                     outcome = RankOutcome(rank, PASSED)
                 try:
                     _put_back(environ, cwd, backend, store_path, rank, world_size, timeout)
-                    reusable = True
                 except BaseException:  # noqa: BLE001 -- the test's outcome stands; its world is not reused
                     print(f"pyvene_dist: rank {rank} could not be reset after the test, so its world ends "
                           f"here:\n{traceback.format_exc()}", file=sys.stderr)
-                    reusable = False
+                    outcome = dataclasses.replace(outcome, reusable=False)
             results.put(outcome)
-            if not reusable:  # e.g. DeepSpeed's zero.Init left every module class's __init__ replaced
+            if not outcome.reusable:  # e.g. DeepSpeed's zero.Init left every module class's __init__ replaced
                 return
     finally:
         _destroy_process_group()
