@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import importlib.util
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -44,10 +45,24 @@ def test_setup_cfg_declares_the_extras_the_readme_names():
     assert "pip install --no-deps pyreft==0.1.0" in (ROOT / "README.md").read_text()
 
 
+def _tracked_copy(folder: Path) -> Path:
+    """The checkout's tracked files (and its untracked, unignored ones) copied to ``folder``: setuptools builds in
+    the source tree's ``build/``, and a ``build/lib`` left from an earlier build put removed modules in the wheel
+    (a stale ``fixes/trainer.py`` broke ``pyvene-dist fixes``), besides writing into the checkout."""
+    listed = run("git", "-C", ROOT, "ls-files", "--cached", "--others", "--exclude-standard", "-z")
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, folder / name)
+    return folder
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_with_each_extra_and_lists_the_fixes(tmp_path):
+    source = _tracked_copy(tmp_path / "source")
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-        "-w", tmp_path / "dist", ROOT)
+        "-w", tmp_path / "dist", source)
     (wheel,) = (tmp_path / "dist").glob("pyvene_dist-*.whl")
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
