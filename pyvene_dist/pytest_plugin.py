@@ -13,7 +13,7 @@ machine has is skipped with the number it needs. ``timeout`` (default ``--world-
 bounds the test's run: past it, every live rank's stack is printed and the test fails.
 
 The ranks of a world stay up for the next test of the same size and backend (``testing.worlds``: their
-start-up, some 7-15 s on a CPU, is paid once per session), and put back between tests what a test may
+start-up is paid once per session), and put back between tests what a test may
 leave (environment, working directory, ``pyvene_dist.patch()``, accelerate's state). A failed test ends
 its world. ``fresh=True``, or ``--fresh-worlds`` for every test, runs the test in processes of its own.
 Fixture values are computed in the parent and pickled to each rank (``tmp_path`` works); one that
@@ -121,7 +121,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
                 pyfuncitem.obj, world_size=world_size, backend=backend, timeout=timeout, workdir=workdir, kwargs=kwargs
             )
     else:
-        outcome = _worlds(pyfuncitem.config).get(world_size, backend).run(pyfuncitem.obj, timeout=timeout, kwargs=kwargs)
+        world = _worlds(pyfuncitem.config).get(world_size, backend)
+        outcome = world.run(pyfuncitem.obj, timeout=timeout, kwargs=kwargs)
     if outcome.failed:
         pytest.fail(outcome.report(), pytrace=False)
     if outcome.skipped:

@@ -65,6 +65,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def world_env(world_size: int) -> dict[str, str]:
+    """What torchrun sets for every rank of a one-node world (each rank adds its ``RANK`` and ``LOCAL_RANK``)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size)}
+
+
 def spawn(
     fn: Callable[..., Any],
     *,
@@ -91,12 +97,7 @@ def spawn(
     store.unlink(missing_ok=True)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-    }
+    env = world_env(world_size)
     processes = [
         context.Process(
             target=_rank_main,
@@ -186,23 +187,36 @@ def _dump_stack(process, workdir: Path, rank: int) -> str:
 
 
 def _rank_main(fn, rank, world_size, backend, store_path, env, results, stack_path, args, kwargs, timeout):
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    try:
+    enter_rank(rank, env, stack_path)
+
+    def body():
         _init_process_group(backend, store_path, rank, world_size, timeout)
         fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 -- every outcome goes back to the parent
-        if _is_skip(exc):
-            results.put(RankOutcome(rank, SKIPPED, str(exc)))
-        else:
-            results.put(RankOutcome(rank, FAILED, traceback.format_exc()))
-    else:
-        results.put(RankOutcome(rank, PASSED))
+
+    try:
+        results.put(outcome_of(rank, body))
     finally:
         _destroy_process_group()
         results.close()
         results.join_thread()
+
+
+def enter_rank(rank: int, env: dict[str, str], stack_path: str) -> None:
+    """Make this process rank ``rank`` (torchrun's variables) and let SIGUSR1 write every thread's stack to
+    ``stack_path``, which the parent reads at a deadline (``_dump_stack``)."""
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)  # open while the rank lives
+
+
+def outcome_of(rank: int, body: Callable[[], Any]) -> RankOutcome:
+    """``body()``'s outcome on this rank: passed, skipped with pytest's reason, or failed with the traceback."""
+    try:
+        body()
+    except BaseException as exc:  # noqa: BLE001 -- every outcome goes back to the parent
+        if _is_skip(exc):
+            return RankOutcome(rank, SKIPPED, str(exc))
+        return RankOutcome(rank, FAILED, traceback.format_exc())
+    return RankOutcome(rank, PASSED)
 
 
 def _init_process_group(backend: str, store_path: str, rank: int, world_size: int, timeout: float) -> None:

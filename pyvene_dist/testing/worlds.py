@@ -2,18 +2,17 @@
 
 ``spawn`` (``launch.py``) starts N processes, forms their process group, runs one function and ends them.
 On the 2-core CPU machine the start-up (a Python per rank importing torch, transformers and pyvene, then
-the rendezvous) took 16 s for two ranks under load, more than many small multi-process tests' bodies. A ``World`` starts its
-ranks once; each ``run`` sends the function to every rank, which calls it in its live process group and
-reports as ``spawn``'s ranks do (passed, skipped, failed with the traceback; a deadline past which every
-live rank's stack is printed).
+the rendezvous) took 16 s for two ranks under load, more than many small multi-process tests' bodies. A
+``World`` starts its ranks once; each ``run`` sends the function to every rank, which calls it in its live
+process group and reports as ``spawn``'s ranks do (passed, skipped, failed with the traceback; a deadline
+past which every live rank's stack is printed).
 
 Between runs a rank puts back what a test may leave behind: the environment variables, the working
 directory, ``pyvene_dist.patch()`` (unpatched), accelerate's process-wide state, and the default process
 group (initialised again if a test destroyed it). A world in which a run failed, timed out or crashed is
 ended (a rank may be stuck in a collective, or hold state nobody can vouch for); the next run starts a new
 one; so is a world whose rank could not be put back (the test's outcome stands). A test that needs
-fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest
-plugin), and gets ``spawn``.
+fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest plugin), and gets ``spawn``.
 
 Each rank writes its output for a run to a file the parent reads back after the run (a process started
 before the test cannot share the test's captured stdout), so the output shows in the test's report.
@@ -22,20 +21,19 @@ before the test cannot share the test's captured stdout), so the output shows in
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
+import functools
 import gc
 import itertools
 import multiprocessing
 import os
-import signal
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .launch import (CRASHED, FAILED, PASSED, SKIPPED, RankOutcome, WorldOutcome, _collect, _destroy_process_group,
-                     _init_process_group, _is_skip, _reap, _stack_file, free_port)
+from .launch import (FAILED, PASSED, SKIPPED, RankOutcome, WorldOutcome, _collect, _destroy_process_group,
+                     _init_process_group, _reap, _stack_file, enter_rank, outcome_of, world_env)
 
 
 #: A rank's report that its process group is up (``World._start``), and how long a world may take to get there.
@@ -69,8 +67,7 @@ class World:
         context = multiprocessing.get_context("spawn")
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(self.world_size),
-               "LOCAL_WORLD_SIZE": str(self.world_size)}
+        env = world_env(self.world_size)
         self._processes = [
             context.Process(target=_serve, name=f"rank{rank}", daemon=True,
                             args=(rank, self.world_size, self.backend, str(workdir / "rendezvous"), env,
@@ -146,9 +143,7 @@ class Worlds:
 
 
 def _serve(rank, world_size, backend, store_path, env, tasks, results, stack_path, timeout) -> None:
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    enter_rank(rank, env, stack_path)
     try:
         _init_process_group(backend, store_path, rank, world_size, timeout)
     except BaseException:  # noqa: BLE001 -- reported as the world's start-up
@@ -163,13 +158,7 @@ def _serve(rank, world_size, backend, store_path, env, tasks, results, stack_pat
                 return
             fn, args, kwargs, output = task
             with _output_to(output):
-                try:
-                    fn(*args, **kwargs)
-                except BaseException as exc:  # noqa: BLE001 -- every outcome goes back to the parent
-                    outcome = RankOutcome(rank, SKIPPED if _is_skip(exc) else FAILED,
-                                          str(exc) if _is_skip(exc) else traceback.format_exc())
-                else:
-                    outcome = RankOutcome(rank, PASSED)
+                outcome = outcome_of(rank, functools.partial(fn, *args, **kwargs))
                 try:
                     _put_back(environ, cwd, backend, store_path, rank, world_size, timeout)
                 except BaseException:  # noqa: BLE001 -- the test's outcome stands; its world is not reused
