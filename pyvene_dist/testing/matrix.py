@@ -27,6 +27,10 @@ INTERVENTIONS = ("LoreftIntervention", "NoreftIntervention", "ConsreftInterventi
 #: The depth of every matrix model: 1-3 of its layers are intervened on.
 LAYERS = 3
 PAD = 0
+#: The models' width: 4 heads of 8. flex attention's CUDA kernels need heads of at least 16 (``NYI: embedding
+#: dimension ... at least 16``), so its draws, and their eager references, are twice as wide.
+HIDDEN = 32
+HIDDEN_FLEX = 64
 
 
 @functools.cache
@@ -56,8 +60,11 @@ class Configuration:
     padding: str = "right"
     lengths: tuple[int, ...] = (6, 4, 5)  # tokens of each example, before pyreft's pad token
     seed: int = 0
+    hidden: int = 0  # 0: HIDDEN, or HIDDEN_FLEX under flex attention
 
     def __post_init__(self) -> None:
+        if not self.hidden:
+            object.__setattr__(self, "hidden", HIDDEN_FLEX if self.attention == "flex_attention" else HIDDEN)
         if self.padding not in ("left", "right"):
             raise ValueError(f"padding must be 'left' or 'right', got {self.padding!r}")
         if self.component not in components(self.architecture):
@@ -82,11 +89,12 @@ class Configuration:
         return self.layers + self.layers if both and not self.share_weights else self.layers
 
     def with_attention(self, attention: str) -> "Configuration":
-        return dataclasses.replace(self, attention=attention)
+        """The same draw under another attention implementation, as wide as this one."""
+        return dataclasses.replace(self, attention=attention, hidden=self.hidden)
 
     def build(self):
         base = models.BASE_MODELS[self.architecture](
-            seed=self.seed, dtype=self.torch_dtype, layers=LAYERS, attention=self.attention)
+            seed=self.seed, dtype=self.torch_dtype, layers=LAYERS, hidden=self.hidden, attention=self.attention)
         return models.reft_model(base, layers=self.intervened_layers, component=self.component, rank=2,
                                  intervention=self.intervention, dtype=self.torch_dtype, seed=self.seed + 1)
 

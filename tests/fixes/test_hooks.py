@@ -102,7 +102,7 @@ def test_a_copy_only_where_autograd_saved_the_tensor():
     assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
 
 
-@pytest.mark.world_size(1)
+@pytest.mark.world_size(1, backend="gloo")  # a CPU mesh: under nccl a CPU DTensor has no backend
 def test_a_dtensor_is_checked_through_its_local_shard():
     """Tensor parallel hands hooks DTensors, which have no storage of their own: the check read theirs and
     tensor parallel at mlp_activation failed ('Attempted to access the data pointer on an invalid python
