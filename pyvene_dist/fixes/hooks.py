@@ -237,13 +237,16 @@ def aliases_saved(tensor: torch.Tensor) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        for name in _saved_names(type(node)):
-            if _packed_by_hooks(node, name):
-                # Saved under someone's saved-tensor hooks (checkpointing, offloading): reading it would
-                # unpack it, recomputing the checkpointed layer in the forward (test_plan measured the
-                # checkpointed peak at 2.2 x). The region recomputes what it saved, hooks included.
+        for raw, name in _saved_names(type(node)):
+            try:
+                if _packed_by_hooks(node, raw):
+                    # Saved under someone's saved-tensor hooks (checkpointing, offloading): reading it would
+                    # unpack it, recomputing the checkpointed layer in the forward (test_plan measured the
+                    # checkpointed peak at 2.2 x). The region recomputes what it saved, hooks included.
+                    continue
+                saved = getattr(node, name)
+            except RuntimeError:  # freed: a backward already ran through it, nothing is held any more
                 continue
-            saved = getattr(node, name)
             for item in saved if isinstance(saved, (tuple, list)) else (saved,):
                 if isinstance(item, torch.Tensor) and _data_pointer(item) == storage:
                     return True
@@ -262,15 +265,21 @@ def _data_pointer(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _packed_by_hooks(node, name: str) -> bool:
-    raw = getattr(node, "_raw" + name, None)  # the SavedTensor objects, read without unpacking
+def _packed_by_hooks(node, raw_name: str) -> bool:
+    raw = getattr(node, raw_name, None)  # the SavedTensor objects, read without unpacking
     return any(getattr(item, "unpack_hook", None) is not None
                for item in (raw if isinstance(raw, (tuple, list)) else (raw,)))
 
 
 @functools.cache
-def _saved_names(node_type: type) -> tuple[str, ...]:
-    return tuple(name for name in dir(node_type) if name.startswith("_saved_"))
+def _saved_names(node_type: type) -> tuple[tuple[str, str], ...]:
+    """(raw, unpacked) attribute names of what a node of ``node_type`` saved. A custom ``autograd.Function``
+    saves through ``ctx.save_for_backward``: compiled functions (flex attention's, whose output a second
+    intervened layer wrote in place: 'modified by an inplace operation ... CompiledFunctionBackward') and
+    DeepSpeed's among them. Built-in nodes name each saved operand ``_saved_<name>``."""
+    if issubclass(node_type, torch.autograd.function.BackwardCFunction):
+        return (("_raw_saved_tensors", "saved_tensors"),)
+    return tuple(("_raw" + name, name) for name in dir(node_type) if name.startswith("_saved_"))
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):

@@ -102,6 +102,37 @@ def test_a_copy_only_where_autograd_saved_the_tensor():
     assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
 
 
+class _SavesItsOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, keep_output):
+        y = x * 2
+        ctx.save_for_backward(y if keep_output else x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_a_custom_functions_saved_output_is_seen():
+    """A custom autograd.Function keeps what it saved in ``saved_tensors``, not in ``_saved_*``: flex
+    attention's compiled function saved its output, and a second intervened layer wrote into it in place on
+    the H200 ('modified by an inplace operation ... output 0 of CompiledFunctionBackward')."""
+    from pyvene_dist.fixes.hooks import aliases_saved
+
+    x = torch.randn(3, 4, requires_grad=True)
+    assert aliases_saved(_SavesItsOutput.apply(x, True))
+    assert not aliases_saved(_SavesItsOutput.apply(x, False))
+    compiled = torch.compile(lambda t: torch.sigmoid(t * 3), backend="aot_eager", fullgraph=True)
+    output = compiled(x)
+    assert type(output.grad_fn).__name__ == "CompiledFunctionBackward"
+    saved = {t.untyped_storage().data_ptr() for t in output.grad_fn.saved_tensors}
+    assert output.untyped_storage().data_ptr() in saved  # sigmoid's backward reads its result
+    assert aliases_saved(output)
+    output.sum().backward()  # freed after backward: nothing is held, nothing to protect
+    assert not aliases_saved(output)
+
+
 @pytest.mark.world_size(1, backend="gloo")  # a CPU mesh: under nccl a CPU DTensor has no backend
 def test_a_dtensor_is_checked_through_its_local_shard():
     """Tensor parallel hands hooks DTensors, which have no storage of their own: the check read theirs and
