@@ -1,7 +1,8 @@
 """Run one function in N spawned processes that form a ``torch.distributed`` group, and report every rank.
 
-The process handling follows PyTorch's ``common_distributed``: a spawn context (never the global start
-method), a ``FileStore`` rendezvous in a folder the caller owns, each rank's outcome (passed, skipped
+The process handling follows PyTorch's ``common_distributed``: a context of its own (never the global start
+method; spawn's, or ranks forked from a server that imported torch, transformers and pyvene once:
+``_preloaded``), a ``FileStore`` rendezvous in a folder the caller owns, each rank's outcome (passed, skipped
 with its reason, failed with its traceback) sent back to the parent, and a deadline after which every
 live rank dumps its stack (``faulthandler``) and is killed, so a hang becomes a report instead of a
 stuck run. When one rank fails or skips, the others get ``grace`` seconds to report before they are
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import multiprocessing
 import os
 import queue
 import signal
@@ -22,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from . import _preloaded
 
 PASSED, SKIPPED, FAILED, TIMED_OUT, CRASHED = "passed", "skipped", "failed", "timed out", "crashed"
 INITIALISED = "pyvene_dist/initialised"  # store keys a rank sets once its process group is up
@@ -95,7 +97,7 @@ def spawn(
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "rendezvous"
     store.unlink(missing_ok=True)
-    context = multiprocessing.get_context("spawn")
+    context = _preloaded.context()
     results = context.Queue()
     env = world_env(world_size)
     processes = [

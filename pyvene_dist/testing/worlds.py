@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import _preloaded
 from .launch import (FAILED, PASSED, SKIPPED, RankOutcome, WorldOutcome, _collect, _destroy_process_group,
                      _init_process_group, _reap, _stack_file, enter_rank, outcome_of, world_env)
 
@@ -64,7 +64,7 @@ class World:
         against a test's timeout. The outcome where they did not, else None."""
         self._workdir = tempfile.TemporaryDirectory(prefix="pyvene-dist-world")
         workdir = Path(self._workdir.name)
-        context = multiprocessing.get_context("spawn")
+        context = _preloaded.context()
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         env = world_env(self.world_size)

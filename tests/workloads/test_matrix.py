@@ -70,10 +70,15 @@ class Outcome:
     grads: dict
 
 
+def _device(configuration: Configuration) -> str:
+    """flash and flex run on a GPU only (flex attention has no backward on the CPU)."""
+    return "cuda" if configuration.attention not in ("eager", "sdpa") else "cpu"
+
+
 def _forward_backward(configuration: Configuration, batch: dict) -> Outcome:
     model = configuration.build()
     model.train()
-    device = "cuda" if configuration.attention not in ("eager", "sdpa") else "cpu"
+    device = _device(configuration)
     model.to(device)
     _, output = model(
         {key: value.to(device) for key, value in batch["base"].items()},
@@ -90,10 +95,13 @@ def _forward_backward(configuration: Configuration, batch: dict) -> Outcome:
 def _train(configuration: Configuration, batch: dict) -> list[float]:
     model = configuration.build()
     model.train()
+    device = _device(configuration)
+    model.to(device)
+    base, labels = {key: value.to(device) for key, value in batch["base"].items()}, batch["labels"].to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(STEPS):
-        _, output = model(batch["base"], unit_locations=batch["unit_locations"], labels=batch["labels"])
+        _, output = model(base, unit_locations=batch["unit_locations"], labels=labels)
         output.loss.backward()
         for name, parameter in model.interventions.named_parameters():
             if parameter.grad is not None:

@@ -1,0 +1,65 @@
+"""Ranks forked from the preloaded server (``testing._preloaded``) are processes as fresh as spawned ones."""
+
+import os
+import sys
+
+import pytest
+
+from pyvene_dist.testing import _preloaded
+from pyvene_dist.testing.launch import spawn
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no forkserver on Windows")
+
+
+def _report(folder):
+    import pyvene
+
+    import pyvene_dist
+
+    wrapped = hasattr(pyvene.IntervenableModel.forward, "__wrapped__") or pyvene_dist.is_patched()
+    with open(os.path.join(folder, f"rank{os.environ['RANK']}-{os.getpid()}.txt"), "w") as out:
+        out.write(f"{os.getcwd()}\n{int(wrapped)}\n{os.environ.get('PYVENE_DIST_PRELOAD_TEST', '')}\n"
+                  f"{int(os.path.dirname(__file__) in sys.path)}\n")
+    pyvene_dist.patch()  # stays in this rank: the next world's ranks must start unpatched
+
+
+def _reports(folder):
+    return sorted(p.read_text().split("\n")[:4] for p in folder.iterdir() if p.name.startswith("rank"))
+
+
+def test_forked_ranks_start_unpatched_in_the_parents_folder(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert type(_preloaded.context()).__name__ == "_Context"
+    import pyvene_dist
+
+    pyvene_dist.patch()  # the parent's patch is the parent's (a fork of the parent would carry it)
+    try:
+        for _ in range(2):  # the second world's ranks come after the first's patch()
+            outcome = spawn(_report, world_size=2, workdir=tmp_path / "world", args=(str(out),))
+            assert not outcome.failed, outcome.report()
+    finally:
+        pyvene_dist.unpatch()
+    assert _reports(out) == [[str(work), "0", "", "1"]] * 4
+
+
+def test_a_changed_environment_gets_spawned_ranks(tmp_path, monkeypatch):
+    _preloaded.context()  # the server, started under the environment of now
+    monkeypatch.setenv("PYVENE_DIST_PRELOAD_TEST", "seen")
+    assert _preloaded.context()._name == "spawn"
+    out = tmp_path / "out"
+    out.mkdir()
+    outcome = spawn(_report, world_size=1, workdir=tmp_path / "world", args=(str(out),))
+    assert not outcome.failed, outcome.report()
+    assert _reports(out)[0][2] == "seen"  # a forked rank would have the server's environment, without it
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(_preloaded.VARIABLE, "0")
+    assert _preloaded.context()._name == "spawn"
+    monkeypatch.setenv(_preloaded.VARIABLE, "maybe")
+    with pytest.raises(ValueError, match="PYVENE_DIST_FORKSERVER='maybe': expected one of"):
+        _preloaded.context()
