@@ -119,7 +119,7 @@ def _hook(plan: Plan, step: Step):
         # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
         selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
         intervened = intervention(selected, None, None)
-        if value.requires_grad and _aliases_saved(plan, number, value):
+        if torch.is_grad_enabled() and _must_copy(plan, number, value):
             from .hooks import _copy_first
 
             output = _copy_first(output, _always)
@@ -144,19 +144,20 @@ def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor) -> tuple:
     return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index
 
 
-def _aliases_saved(plan: Plan, number: int, value: torch.Tensor) -> bool:
-    """``hooks.aliases_saved``, asked once per hook and kind of output: whether a tensor aliases a saved one
-    follows from the operations that made it, fixed by the module, the shape, dtype and device (which pick
-    the kernel) and whether saved-tensor hooks are on (``aliases_saved`` skips what they packed)."""
-    if torch.compiler.is_compiling() or value.grad_fn is None:  # a compiled graph is functional: an in-place
-        return False  # write changes nothing it saved; and where nothing recorded, nothing saved
-    key = (number, value.shape, value.dtype, value.device,
+def _must_copy(plan: Plan, number: int, value: torch.Tensor) -> bool:
+    """``hooks.must_copy``, asked once per hook and kind of output: whether a tensor aliases a saved one, or
+    is a view autograd refuses writes to, follows from the operations that made it, fixed by the module, the
+    shape, dtype and device (which pick the kernel) and whether saved-tensor hooks are on
+    (``aliases_saved`` skips what they packed)."""
+    if torch.compiler.is_compiling():  # a compiled graph is functional: an in-place write changes nothing
+        return False  # it saved
+    key = (number, value.shape, value.dtype, value.device, value.grad_fn is None,
            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
     found = plan.aliasing.get(key)
     if found is None:
-        from .hooks import aliases_saved
+        from .hooks import must_copy
 
-        found = plan.aliasing[key] = aliases_saved(value)
+        found = plan.aliasing[key] = must_copy(value)
     return found
 
 

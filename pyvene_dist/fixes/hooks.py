@@ -26,9 +26,12 @@ been modified by an inplace operation: [torch.FloatTensor [4, 4, 16, 16]], which
 ScaledDotProductFlashAttentionForCpu``. The hook then hands pyvene a copy to write into and the module
 that copy (``writing_to_copies``), which changes neither outputs nor gradients. Whether the tensor aliases
 a saved one is read from the few autograd nodes that made it (``aliases_saved``: the sdpa node behind the
-views, also behind the autograd Function DeepSpeed ZeRO-3 puts around a module's inputs). A tensor that
-aliases nothing saved (eager attention's copy, a linear layer's output) is written in place as before:
-no copy; the check costs some 15-25 us per intervention and forward on a CPU.
+views, also behind the autograd Function DeepSpeed ZeRO-3 puts around a module's inputs, and flex
+attention's compiled function, which keeps what it saved in ``saved_tensors``). The hook copies too where
+autograd refuses writes into the view it is handed (``forbids_writes``: under flex attention on a GPU,
+o_proj's input is a view of the compiled function's output). A tensor that aliases nothing saved (eager
+attention's copy, a linear layer's output) is written in place as before: no copy; the check costs some
+15-25 us per intervention and forward on a CPU.
 
 An intervention at ``attention_weight`` (GPT-2's attention probabilities, the input of the module
 ``attn.attn_dropout``) is refused where the model never calls that module, which stock pyvene silently
@@ -137,7 +140,7 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
     for handle in handler_list.handlers:
         hooks = handle.hooks_dict_ref()
         if hooks is not None and handle.id in hooks:
-            hook = writing_to_copies(hooks[handle.id], inputs=aliases_saved, outputs=aliases_saved)
+            hook = writing_to_copies(hooks[handle.id], inputs=must_copy, outputs=must_copy)
             hooks[handle.id] = kept.wrap_hook(hook) if kept is not None and kept.wrap_hook is not None else hook
     if kept is None:
         REGISTRY.models.of(instance, HookState).handles.extend(handler_list.handlers)
@@ -220,6 +223,23 @@ def _copy_first(value: Any, needs_copy: Predicate) -> Any:
 #: How many autograd nodes ``aliases_saved`` reads, nearest first: the producing operation and what sits between
 #: it and the hook (views; DeepSpeed ZeRO-3 passes a module's inputs through an autograd Function of its own).
 NODES_SEARCHED = 8
+
+
+def must_copy(tensor: torch.Tensor) -> bool:
+    """Whether an in-place write into ``tensor`` would break autograd, so that the hook writes into a copy:
+    it is a view autograd refuses writes to (``forbids_writes``), or it aliases a saved tensor."""
+    return forbids_writes(tensor) or aliases_saved(tensor)
+
+
+def forbids_writes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view autograd refuses in-place writes to: one made inside a custom
+    ``autograd.Function`` (flex attention's compiled function returns one, and o_proj's input is a view of
+    it: 'A view was created in no_grad mode and is being modified inplace ... inside a custom Function'),
+    one of several views a function returned (``split``), or one made in no-grad or inference mode. Whether
+    it requires grad does not matter: writing an intervention's output, which does, into it is refused."""
+    from torch._C._autograd import CreationMeta, _get_creation_meta
+
+    return tensor._is_view() and _get_creation_meta(tensor) != CreationMeta.DEFAULT
 
 
 def aliases_saved(tensor: torch.Tensor) -> bool:

@@ -34,17 +34,27 @@ HIDDEN_FLEX = 64
 
 
 @functools.cache
+def _model_class(architecture: str) -> type:
+    return type(models.BASE_MODELS[architecture](layers=1))
+
+
 def components(architecture: str) -> tuple[str, ...]:
     """Every component pyvene maps for ``architecture`` (its ``type_to_module_mapping``), in its order."""
     from pyvene.models.intervenable_modelcard import type_to_module_mapping
 
-    return tuple(type_to_module_mapping[type(models.BASE_MODELS[architecture](layers=1))])
+    return tuple(type_to_module_mapping[_model_class(architecture)])
+
+
+#: The model class's flag that says transformers lets it use each implementation (eager: every model).
+SUPPORTS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+            "flex_attention": "_supports_flex_attn"}
 
 
 def attentions(architecture: str) -> tuple[str, ...]:
-    """The attention implementations transformers lets ``architecture`` use (Gemma2 has no sdpa: its
-    soft-capped scores are eager's, flash's or flex's only)."""
-    return tuple(a for a in models.ATTENTIONS if not (architecture == "gemma2" and a == "sdpa"))
+    """The attention implementations transformers lets ``architecture`` use, as its model class says: Gemma2
+    has no sdpa (its soft-capped scores are eager's, flash's or flex's only), GPT-2 no flex."""
+    model_class = _model_class(architecture)
+    return tuple(a for a in models.ATTENTIONS if a == "eager" or getattr(model_class, SUPPORTS[a], False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,6 +102,72 @@ def test_a_copy_only_where_autograd_saved_the_tensor():
     assert not aliases_saved(torch.softmax(query.detach(), -1))  # nothing recorded
 
 
+class _ViewAttention(torch.autograd.Function):
+    """Attention as flex attention's compiled function returns it on a GPU: a ``[batch, heads, positions,
+    size]`` view, made inside the Function, of a buffer laid out ``[batch, positions, heads, size]``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        ctx.save_for_backward(query, key, value)
+        attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                                    enable_gqa=True)
+        return attended.transpose(1, 2).contiguous().transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+            attended = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(attended, inputs, grad)
+
+
+def _view_attention(module, query, key, value, attention_mask, **kwargs):
+    return _ViewAttention.apply(query, key, value).transpose(1, 2).contiguous(), None  # .contiguous(): a view
+
+
+def test_a_view_made_inside_a_custom_function_is_written_as_a_copy():
+    """Under flex attention on the H200, o_proj's input was a view of flex's compiled function's output, and
+    pyvene's in-place write at two layers failed: 'A view was created in no_grad mode and is being modified
+    inplace ... This view was created inside a custom Function'. Here an attention of the same layout,
+    through transformers' attention registry, on the CPU: stock pyvene fails so, the patched model trains."""
+    from transformers import AttentionInterface
+
+    import pyvene_dist
+
+    AttentionInterface.register("view_attention", _view_attention)
+
+    def train_step():
+        model = reft_model(tiny_llama(), layers=(0, 1), component="attention_value_output")
+        model.model.config._attn_implementation = "view_attention"
+        _, output = model(_inputs(), unit_locations=LOCATIONS, labels=_inputs()["input_ids"])
+        output.loss.backward()
+        return [p.grad for p in model.interventions.parameters() if p.requires_grad]
+
+    if os.environ.get(helpers.UPSTREAM_ENV):  # a pyvene that carries hooks.diff trains as it is
+        assert all(grad is not None for grad in train_step())
+    else:
+        with pytest.raises(RuntimeError, match="created inside a custom Function"):
+            train_step()
+    helpers.patch()
+    try:
+        assert all(grad is not None and torch.isfinite(grad).all() for grad in train_step())
+    finally:
+        pyvene_dist.unpatch()
+
+
+def test_views_autograd_refuses_writes_to_are_copied():
+    from pyvene_dist.fixes.hooks import forbids_writes, must_copy
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    made_inside = _ViewAttention.apply(x[None], x[None], x[None])
+    assert forbids_writes(made_inside) and must_copy(made_inside)
+    assert all(forbids_writes(part) for part in (x * 2).split(1))  # one of several views of one function
+    with torch.no_grad():
+        made_without_grad = x[0]
+    assert forbids_writes(made_without_grad)
+    assert not forbids_writes((x * 2)[0]) and not forbids_writes(x * 2)  # a plain view; no view
+
+
 class _SavesItsOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep_output):
