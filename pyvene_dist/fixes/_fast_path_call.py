@@ -119,7 +119,7 @@ def _hook(plan: Plan, step: Step):
         # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
         selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
         intervened = intervention(selected, None, None)
-        if torch.is_grad_enabled() and _must_copy(plan, number, value):
+        if (value.requires_grad or intervened.requires_grad) and _must_copy(plan, number, value):
             from .hooks import _copy_first
 
             output = _copy_first(output, _always)
