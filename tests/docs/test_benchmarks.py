@@ -154,3 +154,13 @@ def test_plot_draws_the_rows(tmp_path):
                     "--ratios", "sharded", "--goal", "1.03"], check=True, timeout=120)
     assert (tmp_path / "figures" / "scaling.png").stat().st_size > 0
     assert (tmp_path / "figures" / "ratios-sharded.png").stat().st_size > 0
+
+
+def test_start_up_times_spawned_and_forked_worlds(tmp_path):
+    out = tmp_path / "start.jsonl"
+    subprocess.run([sys.executable, str(BENCHMARKS / "start_up.py"), "--world-size", "1", "--rounds", "1",
+                    "--out", str(out)], check=True, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["measure"], r["provider"]) for r in rows] == [("world_start", "spawned"), ("world_start", "forked")]
+    assert all(len(r["seconds"]) == 1 and r["commit"] and r["run_id"] and r["versions"] for r in rows)
+    assert "server_start_s" in rows[1] and "ratio_to_spawned" in rows[1]
