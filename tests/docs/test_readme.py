@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,42 @@ def test_the_readme_example_trains_saves_and_reloads_on_cpu(tmp_path):
     prompt = "'What colour is snow?' -> "  # then the repr of the prompt and its greedy continuation
     answers = [ast.literal_eval(line.removeprefix(prompt)) for line in outputs[-1].splitlines() if line.startswith(prompt)]
     assert answers and answers[0].startswith(" What colour is snow?"), outputs[-1]
+
+
+def tested_on_cells(text: str) -> list[str]:
+    """The "tested on" cells of the README's table of strategies."""
+    lines = text[text.index("## What works"):].splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| strategy |"))
+    column = [cell.strip() for cell in lines[header].strip("|").split("|")].index("tested on")
+    cells = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        cells.append([cell.strip() for cell in line.strip("|").split("|")][column])
+    return cells
+
+
+GPU_RUN = re.compile(r"(\d+) x H200, (\d{4}-\d\d-\d\d) \(([0-9a-f]{7,})\)")
+NO_LOG = re.compile(r"\d+ x H200 before \d{4}-\d\d, no log kept")
+
+
+def gpu_claims_without_a_log(text: str) -> list[str]:
+    """Each GPU claim of the "tested on" column that names no stored run (gpu-tests/<date>-<commit>/ with its
+    JUnit file) and does not say that none was kept."""
+    problems = []
+    for cell in tested_on_cells(text):
+        for claim in re.findall(r"\d+ x H200[^;|]*", cell):
+            run = GPU_RUN.fullmatch(claim.strip())
+            if run and (ROOT / "benchmarks/results/gpu-tests" / f"{run[2]}-{run[3]}" / "junit.xml").is_file():
+                continue
+            if not run and NO_LOG.fullmatch(claim.strip()):
+                continue
+            problems.append(claim.strip())
+    return problems
+
+
+def test_each_gpu_claim_names_its_stored_run_or_says_none_was_kept():
+    assert not gpu_claims_without_a_log((ROOT / "README.md").read_text())
+    planted = "## What works\n| strategy | launch | tested on | docs |\n| --- | --- | --- | --- |\n" \
+              "| DDP | x | CPU (CI); 2 x H200 | d |\n| FSDP | x | 1 x H200, 2026-12-03 (0000000) | d |\n"
+    assert gpu_claims_without_a_log(planted) == ["2 x H200", "1 x H200, 2026-12-03 (0000000)"]
