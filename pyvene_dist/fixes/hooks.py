@@ -191,16 +191,16 @@ def writing_to_copies(callback, *, inputs: Predicate = _never, outputs: Predicat
             copied = _copy_first(value, outputs)
             if copied is value:
                 return callback(module, args, kwargs, value)
-            callback(module, args, kwargs, copied)
-            return copied
+            result = callback(module, args, kwargs, copied)  # a hook around pyvene's may return its own
+            return copied if result is None else result  # (tensor parallel's: the slice of what it wrote)
         if args:
             copied_args, copied_kwargs = _copy_first(args, inputs), kwargs
         else:
             copied_args, copied_kwargs = args, _copy_first(kwargs, inputs)
         if copied_args is args and copied_kwargs is kwargs:
             return callback(module, args, kwargs)
-        callback(module, copied_args, copied_kwargs)
-        return copied_args, copied_kwargs
+        result = callback(module, copied_args, copied_kwargs)
+        return (copied_args, copied_kwargs) if result is None else result
 
     return hook
 

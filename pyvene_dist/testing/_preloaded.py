@@ -4,12 +4,14 @@ A spawned rank starts a new interpreter and imports what every rank imports: on 
 7 of the 8 seconds a world of 2 took to start, paid again by every ``spawn`` (each ``pyvene-dist check``
 row, each fresh world of the tests). ``context()`` gives a multiprocessing context whose processes fork from
 a server of this module's own (multiprocessing's forkserver is one per process and a user's program may use
-it with other preloads), started once with ``PRELOAD`` imported. Each rank is still a process of its own,
+it with other preloads), started with ``PRELOAD`` imported. Each rank is still a process of its own,
 and nothing it does reaches the server or another rank; what the server holds is those modules as
 importing them left them. A forked rank gets the parent's working directory and ``sys.path`` (as a spawned
-one does) but the environment the server started with, so where ``os.environ`` or ``sys.path`` is no longer
-what they were at the server's start (a test's ``monkeypatch.setenv``; modules read some variables as they
-import) the context is spawn's. ``PYVENE_DIST_FORKSERVER=0`` always gives spawn's.
+one does) but the environment its server started with, and modules read some variables as they import.
+So a server serves one environment and ``sys.path``: another (a test's ``monkeypatch.setenv``, a variable a
+library sets for good) gets a server of its own, up to ``MAX_SERVERS``, and past them the context is
+spawn's. A server lives until its parent exits (stopping one waits for every rank it forked).
+``PYVENE_DIST_FORKSERVER=0`` always gives spawn's.
 """
 
 from __future__ import annotations
@@ -28,17 +30,20 @@ from .._options import switch
 PRELOAD = ["pyvene_dist.testing._preload"]
 VARIABLE = "PYVENE_DIST_FORKSERVER"
 
-_server: forkserver.ForkServer | None = None
-_started_under: tuple | None = None  # (environment, sys.path) the server was started with
+#: At most this many servers, one per environment and ``sys.path`` ranks were started under; past it, spawn.
+MAX_SERVERS = 4
+#: (environment, sys.path) -> its server, oldest first.
+_servers: dict[tuple, forkserver.ForkServer] = {}
 _lock = threading.Lock()
 
 
 def _now() -> tuple:
-    return dict(os.environ), list(sys.path)
+    return frozenset(os.environ.items()), tuple(sys.path)
 
 
 class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj):  # popen_forkserver.Popen._launch, asking this module's server
+        server = _servers[process_obj._preloaded_key]
         prep_data = spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         _context.set_spawning_popen(self)
@@ -47,7 +52,7 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             _context.set_spawning_popen(None)
-        self.sentinel, w = _server.connect_to_new_process(self._fds)
+        self.sentinel, w = server.connect_to_new_process(self._fds)
         _parent_w = os.dup(w)  # the child's sentinel of its parent, as the stdlib keeps it
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
@@ -62,29 +67,30 @@ class _Process(_context.ForkServerProcess):
 
 
 class _Context(_context.ForkServerContext):
-    Process = _Process
+    """A forkserver context whose processes fork from the server of ``key``."""
+
+    def __init__(self, key: tuple) -> None:
+        super().__init__()
+        self._key = key
+
+    def Process(self, *args, **kwargs):  # noqa: N802 -- multiprocessing's name
+        process = _Process(*args, **kwargs)
+        process._preloaded_key = self._key  # pickled to the child with the process: a key, not the server
+        return process
 
 
 def context():
-    """The context ranks start from: the preloaded server's where it may serve, else spawn's."""
-    global _server, _started_under
+    """The context ranks start from: the preloaded server's for this environment and ``sys.path`` (started
+    at its first use), else spawn's."""
     if "forkserver" not in multiprocessing.get_all_start_methods() or not switch(VARIABLE, True):
         return multiprocessing.get_context("spawn")
+    key = _now()
     with _lock:
-        if _server is None:
-            _server = forkserver.ForkServer()
-            _server.set_forkserver_preload(PRELOAD)
-            _server.ensure_running()
-            _started_under = _now()
-        elif _started_under != _now():
-            return multiprocessing.get_context("spawn")
-    return _Context()
-
-
-def stop() -> None:
-    """Stop the server (the next ``context()`` starts another under the environment of then)."""
-    global _server, _started_under
-    with _lock:
-        if _server is not None:
-            _server._stop()
-        _server = _started_under = None
+        if key not in _servers:
+            if len(_servers) >= MAX_SERVERS:
+                return multiprocessing.get_context("spawn")
+            server = forkserver.ForkServer()
+            server.set_forkserver_preload(PRELOAD)
+            server.ensure_running()
+            _servers[key] = server
+    return _Context(key)
