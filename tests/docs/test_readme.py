@@ -63,7 +63,7 @@ def test_the_readme_example_trains_saves_and_reloads_on_cpu(tmp_path):
     assert answers and answers[0].startswith(" What colour is snow?"), outputs[-1]
 
 
-def tested_on_cells(text: str) -> list[str]:
+def readme_tested_on_column(text: str) -> list[str]:
     """The "tested on" cells of the README's table of strategies."""
     lines = text[text.index("## What works"):].splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| strategy |"))
@@ -84,7 +84,7 @@ def gpu_claims_without_a_log(text: str) -> list[str]:
     """Each GPU claim of the "tested on" column that names no stored run (gpu-tests/<date>-<commit>/ with its
     JUnit file) and does not say that none was kept."""
     problems = []
-    for cell in tested_on_cells(text):
+    for cell in readme_tested_on_column(text):
         for claim in re.findall(r"\d+ x H200[^;|]*", cell):
             run = GPU_RUN.fullmatch(claim.strip())
             if run and (ROOT / "benchmarks/results/gpu-tests" / f"{run[2]}-{run[3]}" / "junit.xml").is_file():
