@@ -52,6 +52,7 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._C._autograd import CreationMeta, _get_creation_meta
 
 from .._records import Fix, Site
 from .._registry import REGISTRY
@@ -237,8 +238,6 @@ def forbids_writes(tensor: torch.Tensor) -> bool:
     it: 'A view was created in no_grad mode and is being modified inplace ... inside a custom Function'),
     one of several views a function returned (``split``), or one made in no-grad or inference mode. Whether
     it requires grad does not matter: writing an intervention's output, which does, into it is refused."""
-    from torch._C._autograd import CreationMeta, _get_creation_meta
-
     return tensor._is_view() and _get_creation_meta(tensor) != CreationMeta.DEFAULT
 
 

@@ -32,7 +32,7 @@ VARIABLE = "PYVENE_DIST_FORKSERVER"
 
 #: At most this many servers, one per environment and ``sys.path`` ranks were started under; past it, spawn.
 MAX_SERVERS = 4
-#: (environment, sys.path) -> its server, oldest first.
+#: (environment, sys.path) -> its server.
 _servers: dict[tuple, forkserver.ForkServer] = {}
 _lock = threading.Lock()
 
