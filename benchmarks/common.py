@@ -136,13 +136,17 @@ def drain(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(step, *, warmup: int, steps: int, device, host: list | None = None) -> list[float]:
+def timed(step, *, warmup: int, steps: int, device, host: list | None = None,
+          cpu: list | None = None) -> list[float]:
     """Milliseconds of ``steps`` calls of ``step`` after ``warmup`` untimed ones, each timed alone; the
-    host's share (until ``step`` returns, before the GPU is drained) is appended to ``host``."""
+    host's share (until ``step`` returns, before the GPU is drained) is appended to ``host``, and the CPU
+    time the process spent in the call (all its threads, ``time.process_time``) to ``cpu``. Where the host
+    sets the pace, CPU time is the work done: unlike wall time, it does not count the time the process
+    waited for a core another process held."""
     times = []
     for i in range(warmup + steps):
         drain(device)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         step()
         queued = time.perf_counter()
         drain(device)
@@ -150,27 +154,34 @@ def timed(step, *, warmup: int, steps: int, device, host: list | None = None) ->
             times.append(1000 * (time.perf_counter() - started))
             if host is not None:
                 host.append(1000 * (queued - started))
+            if cpu is not None:
+                cpu.append(1000 * (time.process_time() - started_cpu))
     return times
 
 
 def interleaved(steps_by_name: dict, *, rounds: int, steps: int, device, host: dict,
-                warmup: int = 1) -> dict[str, list[list[float]]]:
+                warmup: int = 1, cpu: dict | None = None) -> dict[str, list[list[float]]]:
     """``timed`` for each of ``steps_by_name``, in ``rounds`` blocks of ``steps // rounds`` per name, the
     names taking turns (the first of one round is the last of the next); ``warmup`` untimed steps open a
-    block. Returns each name's times, one list per round; ``host[name]`` collects the host's share of each."""
+    block. Returns each name's times, one list per round; ``host[name]`` collects the host's share of each,
+    and ``cpu[name]``, where given, the CPU time of each (one list per round)."""
     names = list(steps_by_name)
     times = {name: [] for name in names}
     per_round = max(1, steps // rounds)
     for round_ in range(rounds):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            spent = None if cpu is None else []
             times[name].append(timed(steps_by_name[name], warmup=warmup, steps=per_round, device=device,
-                                     host=host.setdefault(name, [])))
+                                     host=host.setdefault(name, []), cpu=spent))
+            if cpu is not None:
+                cpu.setdefault(name, []).append(spent)
     return times
 
 
-def summary(times, host=()) -> dict:
+def summary(times, host=(), cpu=None) -> dict:
     """p20/p50/p80 and the median of ``times`` (ms; a flat list, or one list per interleaved round), the
-    spread (p80 - p20, as a share of the median), each round's median, and the host's median share."""
+    spread (p80 - p20, as a share of the median), each round's median, and the host's median share; with
+    ``cpu`` (``interleaved``'s, one list per round), the CPU time's median and each round's."""
     per_round = times if times and isinstance(times[0], list) else None
     flat = sorted(t for block in per_round for t in block) if per_round else sorted(times)
     at = lambda q: flat[min(len(flat) - 1, int(q / 100 * len(flat)))]  # noqa: E731
@@ -182,13 +193,15 @@ def summary(times, host=()) -> dict:
         "steps_timed": len(flat),
         "round_medians_ms": [statistics.median(block) for block in per_round] if per_round else None,
         "host_p50_ms": statistics.median(host) if host else None,
+        **({"cpu_p50_ms": statistics.median(t for block in cpu for t in block),
+            "cpu_round_medians_ms": [statistics.median(block) for block in cpu]} if cpu else {}),
     }
 
 
 def compare(rows: list[dict], baseline: str, providers) -> None:
     """Name ``baseline`` (a provider) on the rows of ``providers`` of the same measure, strategy and shape,
-    and add the ratio of medians, the median, min and max of the round-by-round ratios (the spread), and
-    the host time per step over the baseline's."""
+    and add the ratio of medians, the median, min and max of the round-by-round ratios (the spread), the
+    host time per step over the baseline's, and where both carry CPU times, the same ratios of those."""
     def key(row):
         return row.get("measure"), row.get("strategy"), row.get("batch"), row.get("seq_len")
 
@@ -206,6 +219,12 @@ def compare(rows: list[dict], baseline: str, providers) -> None:
             ratios = [a / b for a, b in zip(mine, theirs)]
             row["ratio_rounds"] = ratios
             row["ratio_median"], row["ratio_min"], row["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
+        mine, theirs = row.get("cpu_round_medians_ms"), base.get("cpu_round_medians_ms")
+        if mine and theirs and len(mine) == len(theirs):
+            ratios = [a / b for a, b in zip(mine, theirs)]
+            row["cpu_ratio"] = row["cpu_p50_ms"] / base["cpu_p50_ms"]
+            row["cpu_ratio_median"], row["cpu_ratio_min"], row["cpu_ratio_max"] = \
+                statistics.median(ratios), min(ratios), max(ratios)
 
 
 # --- rows -------------------------------------------------------------------------------------------------
@@ -264,7 +283,13 @@ def metadata(device, dtype) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     return {"gpu": gpu_name(device), "machine": machine(device), "dtype": str(dtype).removeprefix("torch."),
             "versions": versions(), "commit": commit(), "run_id": run_id(), "date": now.date().isoformat(),
-            "time": now.isoformat(timespec="seconds")}
+            "time": now.isoformat(timespec="seconds"), **host_load()}
+
+
+def host_load() -> dict:
+    """The host's load when asked: the 1-minute load average against the cores this process may use. Other
+    processes' load is what makes host-bound rounds of one run disagree."""
+    return {"load_1min": round(os.getloadavg()[0], 2), "cores": len(os.sched_getaffinity(0))}
 
 
 def peak_memory_gib(device) -> float | None:
@@ -290,6 +315,9 @@ def show(row: dict) -> str:
         text += f"; {row['ratio']:.3f} x {row['baseline']}"
         if "ratio_min" in row:
             text += f" (rounds {row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
+        if "cpu_ratio_median" in row:
+            text += f"; CPU time {row['cpu_ratio_median']:.3f} x (rounds {row['cpu_ratio_min']:.3f}-" \
+                    f"{row['cpu_ratio_max']:.3f})"
     return text
 
 

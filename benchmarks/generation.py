@@ -14,8 +14,10 @@ with the bare model's again: each ratio is to the bare generations timed beside 
 one of the two). Rows are written after each provider's rounds. ``--on-prompt`` measures
 pyreft's prompt-only mode (``intervene_on_prompt=True``, the last prompt position) instead.
 
-Rows: time per generation (p20/p50/p80, median, spread, each round's), ``ms_per_token``, the ratio to the
-bare model's (round by round), and ``differs_from_bare``/``same_as_stock``: whether the tokens differ from
+Each provider's timed rounds follow one untimed generation of full length. Rows: time per generation
+(p20/p50/p80, median, spread, each round's), ``ms_per_token``, the ratio to the bare model's (round by
+round), the same for the process's CPU time (``cpu_ratio_median``: the work done, which other processes
+on the host do not stretch), the host's load average before and after the rounds, and ``differs_from_bare``/``same_as_stock``: whether the tokens differ from
 the bare model's (the interventions ran) and equal stock pyvene's.
 """
 
@@ -93,16 +95,20 @@ def main(argv=None) -> int:
             return reft.generate(prompt, **where, **chosen)[1]
 
         steps = {"bare": generation("bare", bare), provider: generation(provider, intervened)}
-        for name, run in (("bare", bare), (provider, intervened)):  # load the kernels, allocate the cache
+        # Load the kernels, then one untimed generation of full length each: the first at a length grows the
+        # allocator's pool, and timed it made the first round's bare generation 3-5 x the later ones
+        for name, run in (("bare", bare), (provider, intervened)):
             common.timed(generation(name, run, short), warmup=1, steps=0, device=device)
-        host = {}
+            common.timed(steps[name], warmup=1, steps=0, device=device)
+        host, cpu, load = {}, {}, common.host_load()
         times = common.interleaved(steps, rounds=options.rounds, steps=options.rounds, device=device, host=host,
-                                   warmup=0)
+                                   warmup=0, cpu=cpu)
         found = [{"provider": name, "measure": measure, "bare_of": provider if name == "bare" else None,
                   "strategy": "single", "world_size": 1, "model": options.model, "batch": options.batch,
                   "seq_len": options.prompt_len, "new_tokens": options.new_tokens, "layers": layers,
-                  "kv_cache": True, "rounds": options.rounds, **common.summary(times[name], host[name]),
-                  "peak_memory_gib": common.peak_memory_gib(device), **meta} for name in steps]
+                  "kv_cache": True, "rounds": options.rounds, **common.summary(times[name], host[name], cpu[name]),
+                  "peak_memory_gib": common.peak_memory_gib(device), **meta, "load_1min": load["load_1min"],
+                  "load_1min_after": common.host_load()["load_1min"]} for name in steps]
         for row in found:
             row["ms_per_token"] = row["median_ms"] / options.new_tokens
         common.compare(found, "bare", (provider,))

@@ -56,10 +56,10 @@ for part in "$@"; do
           --steps 10 --rounds 5 --warmup 2 --out "$OUT/large-7b.jsonl" --profile "$OUT/large-7b-profile.txt"
       done ;;
     generation-both)  # issue 28's setting: 256 new tokens, both providers and the bare model in each round
-      python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 5 \
+      python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 15 \
         --out "$OUT/generation.jsonl" ;;
-    sharded-9)  # issue 28's setting: FSDP2 and ZeRO-3 at world 1, the median of 9 rounds
-      python3 benchmarks/sharded.py --steps 10 --rounds 9 --warmup 3 --out "$OUT/sharded.jsonl" \
+    sharded-9)  # issue 28's setting: FSDP2 and ZeRO-3 at world 1, the median of 9 rounds of 5 steps each
+      python3 benchmarks/sharded.py --steps 45 --rounds 9 --warmup 3 --out "$OUT/sharded.jsonl" \
         --profile "$OUT/sharded-profile.txt" ;;
     generation-stock)  # every-token interventions, 1,024 new tokens, KV cache: stock pyvene beside the bare model
       python3 benchmarks/generation.py --providers pyvene --new-tokens 1024 --rounds 5 \
