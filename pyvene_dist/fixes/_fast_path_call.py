@@ -4,6 +4,8 @@ hook each step of a plan registers once, which intervenes with them while a call
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +21,8 @@ class Call:
     positions: list  # per intervention (``sorted_keys`` order): int64 [batch, positions]
     use_fast: bool  # pyvene's flag: the write takes row 0 of the positions for the whole batch
     #: per intervention, on the hooked output's device: the gather's index (the positions expanded over the
-    #: last dimension), the positions of the write, the batch index; made at the hook's first use.
+    #: last dimension), the positions of the write, the batch index, and the intervention's operations
+    #: (``_operations``) or None; made at the hook's first use.
     indices: list
     generating: bool = False
     on_prompt: bool = False
@@ -114,11 +117,11 @@ def _hook(plan: Plan, step: Step):
         value = output[0] if isinstance(output, tuple) else output
         indices = call.indices[index]
         if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
-            indices = call.indices[index] = _indices(plan, call, index, value)
-        gathered, written, batch_index = indices
+            indices = call.indices[index] = _indices(plan, call, index, value, intervention)
+        gathered, written, batch_index, operations = indices
         # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
         selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
-        intervened = intervention(selected, None, None)
+        intervened = intervention(selected, None, None) if operations is None else operations(selected)
         if (value.requires_grad or intervened.requires_grad) and _must_copy(plan, number, value):
             from .hooks import _copy_first
 
@@ -132,7 +135,7 @@ def _hook(plan: Plan, step: Step):
     return apply_intervention
 
 
-def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor) -> tuple:
+def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor, intervention) -> tuple:
     positions = call.positions[index]
     if positions.device != value.device:  # a layer on another device than the input's (device_map)
         positions = positions.to(value.device, non_blocking=True)
@@ -141,7 +144,84 @@ def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor) -> tuple:
     if batch_index is None:
         batch_index = plan.batch_indices[batch, value.device] = torch.arange(batch, device=value.device)[:, None]
     written = positions[0] if call.use_fast else positions  # scatter_neurons' `pos` branch
-    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index
+    operations = _operations(intervention)
+    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index, operations
+
+
+# --- pyreft's interventions as the operations they run -----------------------------------------------------
+
+def _operations(intervention):
+    """LoReFT's forward (pyreft's default intervention) as the torch operations it runs, in its order, on
+    its own parameters: the same outputs and gradients, bit for bit, without the five module calls it makes
+    and the second read of its parametrized rotation. That is about 45 of the 66 Python calls an application
+    costs, and in every-token generation 4 applications make most of what a token costs over the bare
+    model's (``benchmarks/calls.py``).
+
+    None, and the module is called, wherever the call could do something else: another type or a subclass
+    (FSDP2's ``fully_shard`` makes one), a ``forward`` set on an instance, a hook on any of its modules
+    (DeepSpeed ZeRO-3 gathers parameters in one) or a global one, an in-place dropout, a jit trace (module
+    calls record scopes) or a compiled graph (where module calls cost nothing at run time)."""
+    reft = sys.modules.get("pyreft.interventions")
+    if reft is None or type(intervention) is not reft.LoreftIntervention or torch.compiler.is_compiling() \
+            or torch._C._get_tracing_state() is not None or _global_hooks() \
+            or not _written_from(reft.LoreftIntervention.forward, "LoreftIntervention.forward"):
+        return None
+    rotate, source, act, dropout = (intervention.rotate_layer, intervention.learned_source, intervention.act_fn,
+                                    intervention.dropout)
+    if type(rotate).forward is not reft.LowRankRotateLayer.forward \
+            or not _written_from(reft.LowRankRotateLayer.forward, "LowRankRotateLayer.forward") \
+            or type(source) is not torch.nn.Linear \
+            or type(dropout) is not torch.nn.Dropout or dropout.inplace \
+            or not all(_plain(module) for module in (intervention, rotate, source, act, dropout)):
+        return None
+    from transformers.activations import LinearActivation
+
+    identity = type(act) is LinearActivation  # pyreft's default act_fn, "linear": returns its input
+
+    def loreft(base):  # LoreftIntervention.forward, LowRankRotateLayer.forward, Linear.forward, Dropout.forward
+        weight = rotate.weight  # one read: the fast path's parametrize.cached() returns the same tensor twice
+        rotated_base = torch.matmul(base.to(weight.dtype), weight)
+        learned = torch.nn.functional.linear(base, source.weight, source.bias)
+        output = base + torch.matmul((learned if identity else act(learned)) - rotated_base, weight.T)
+        return torch.dropout(output.to(base.dtype), dropout.p, dropout.training)  # F.dropout's operation
+
+    return loreft
+
+
+#: The sources (``_records.fingerprint``) of pyreft 0.1.0's forwards that ``_operations`` runs the operations of.
+WRITTEN_FROM = {"LoreftIntervention.forward": "e9e62508e54a2da7", "LowRankRotateLayer.forward": "de17864e332a5964"}
+_same_source: dict = {}  # function -> whether it is a plain function with the source of its WRITTEN_FROM
+
+
+def _written_from(function, name: str) -> bool:
+    """Whether ``function`` is still pyreft's own: a plain function (not wrapped, as a tracer or a user's
+    patch may) whose source is the one ``_operations`` was written from."""
+    if type(function) is not types.FunctionType:  # first: a wrapt proxy hashes and compares as what it wraps
+        return False
+    same = _same_source.get(function)
+    if same is None:
+        from .._records import fingerprint
+
+        try:
+            same = fingerprint(function) == WRITTEN_FROM[name]
+        except (TypeError, OSError):  # no source to read
+            same = False
+        _same_source[function] = same
+    return same
+
+
+def _plain(module) -> bool:
+    """Whether calling ``module`` runs its class's ``forward`` and nothing else (``Module._call_impl``'s own
+    test, with a ``forward`` set on the instance)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks
+                or module._global_backward_pre_hooks)
 
 
 def _must_copy(plan: Plan, number: int, value: torch.Tensor) -> bool:
