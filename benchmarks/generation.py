@@ -17,8 +17,11 @@ pyreft's prompt-only mode (``intervene_on_prompt=True``, the last prompt positio
 Each provider's timed rounds follow one untimed generation of full length. Rows: time per generation
 (p20/p50/p80, median, spread, each round's), ``ms_per_token``, the ratio to the bare model's (round by
 round), the same for the process's CPU time (``cpu_ratio_median``: the work done, which other processes
-on the host do not stretch), the host's load average before and after the rounds, and ``differs_from_bare``/``same_as_stock``: whether the tokens differ from
-the bare model's (the interventions ran) and equal stock pyvene's.
+on the host do not stretch), the host's load average before and after the rounds, and
+``differs_from_bare``/``same_as_stock``: whether the tokens differ from the bare model's (the interventions
+ran) and equal stock pyvene's. Only a repeatable generation can equal another: on CPU in float32 it is; in
+bf16 on the H200 the bare model's own greedy tokens differ between two runs from about the 68th new token
+(``gpu-tests/2026-12-03-aeb021d``), so there ``same_as_stock`` is false for 256 tokens whatever the path.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", default="pyvene,pyvene_dist",
                         help="pyvene (stock) and/or pyvene_dist, each in its own rounds beside the bare model")
     parser.add_argument("--out", default="benchmarks/results/generation.jsonl")
+    parser.add_argument("--profile", help="append the top operators of a 32-token generation of the bare model "
+                        "and of each provider here (torch.profiler)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 8 new tokens")
     options = parser.parse_args(argv)
     if not set(options.providers.split(",")) <= {"pyvene", "pyvene_dist"} or options.providers.endswith(",pyvene"):
@@ -118,6 +123,11 @@ def main(argv=None) -> int:
         common.append_rows(options.out, found)
         for row in found:
             print(common.show(row) + f", {row['ms_per_token']:.3f} ms per token", flush=True)
+        if options.profile:
+            profiled = {**settings, "max_new_tokens": 32, "min_new_tokens": 32}
+            for name, run in (("bare", bare), (provider, intervened)):
+                common.profile_top_ops(generation(name, run, profiled), path=options.profile, steps=1, rows=30,
+                                       label=f"{name} generate, 32 new tokens ({measure})", device=device)
     pyvene_dist.unpatch()
     return 0
 
