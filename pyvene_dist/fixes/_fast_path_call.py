@@ -212,7 +212,10 @@ def _written_from(function, name: str) -> bool:
 
 def _plain(module) -> bool:
     """Whether calling ``module`` runs its class's ``forward`` and nothing else (``Module._call_impl``'s own
-    test, with a ``forward`` set on the instance)."""
+    test, with a ``forward`` set on the instance); a callable that is not a module (an ``act_fn`` a user set
+    to ``torch.relu``) is called as it is either way."""
+    if not isinstance(module, torch.nn.Module):
+        return True
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or "forward" in module.__dict__)
 
