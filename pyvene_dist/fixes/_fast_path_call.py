@@ -151,45 +151,70 @@ def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor, interventi
 # --- pyreft's interventions as the operations they run -----------------------------------------------------
 
 def _operations(intervention):
-    """LoReFT's forward (pyreft's default intervention) as the torch operations it runs, in its order, on
-    its own parameters: the same outputs and gradients, bit for bit, without the five module calls it makes
-    and the second read of its parametrized rotation. That is about 45 of the 66 Python calls an application
-    costs, and in every-token generation 4 applications make most of what a token costs over the bare
-    model's (``benchmarks/calls.py``).
+    """The forward of LoReFT (pyreft's default intervention) or DiReFT as the torch operations it runs, in
+    its order, on its own parameters: the same outputs and gradients, bit for bit, without the module calls
+    it makes (five for LoReFT) and LoReFT's second read of its parametrized rotation. That is about 45 of
+    the 66 Python calls a LoReFT application costs, and in every-token generation 4 applications make most
+    of what a token costs over the bare model's (``benchmarks/calls.py``).
 
     None, and the module is called, wherever the call could do something else: another type or a subclass
-    (FSDP2's ``fully_shard`` makes one), a ``forward`` set on an instance, a hook on any of its modules
-    (DeepSpeed ZeRO-3 gathers parameters in one) or a global one, an in-place dropout, a jit trace (module
-    calls record scopes) or a compiled graph (where module calls cost nothing at run time)."""
+    (FSDP2's ``fully_shard`` makes one), a forward that is not pyreft 0.1.0's, one set on an instance, a
+    hook on any of its modules (DeepSpeed ZeRO-3 gathers parameters in one) or a global one, an in-place
+    dropout, a jit trace (module calls record scopes) or a compiled graph (where module calls cost nothing
+    at run time)."""
     reft = sys.modules.get("pyreft.interventions")
-    if reft is None or type(intervention) is not reft.LoreftIntervention or torch.compiler.is_compiling() \
+    kind = type(intervention)
+    form = _FORMS.get(kind.__name__)
+    if reft is None or form is None or kind is not getattr(reft, kind.__name__) or torch.compiler.is_compiling() \
             or torch._C._get_tracing_state() is not None or _global_hooks() \
-            or not _written_from(reft.LoreftIntervention.forward, "LoreftIntervention.forward"):
+            or not _written_from(kind.forward, f"{kind.__name__}.forward"):
         return None
     rotate, source, act, dropout = (intervention.rotate_layer, intervention.learned_source, intervention.act_fn,
                                     intervention.dropout)
-    if type(rotate).forward is not reft.LowRankRotateLayer.forward \
-            or not _written_from(reft.LowRankRotateLayer.forward, "LowRankRotateLayer.forward") \
-            or type(source) is not torch.nn.Linear \
-            or type(dropout) is not torch.nn.Dropout or dropout.inplace \
+    if type(source) is not torch.nn.Linear or type(dropout) is not torch.nn.Dropout or dropout.inplace \
             or not all(_plain(module) for module in (intervention, rotate, source, act, dropout)):
         return None
     from transformers.activations import LinearActivation
 
-    identity = type(act) is LinearActivation  # pyreft's default act_fn, "linear": returns its input
+    activation = None if type(act) is LinearActivation else act  # pyreft's default act_fn returns its input
+    return form(reft, rotate, source, activation, dropout)
 
-    def loreft(base):  # LoreftIntervention.forward, LowRankRotateLayer.forward, Linear.forward, Dropout.forward
+
+def _loreft(reft, rotate, source, act, dropout):
+    """LoreftIntervention.forward, LowRankRotateLayer.forward, Linear.forward, Dropout.forward."""
+    if type(rotate).forward is not reft.LowRankRotateLayer.forward \
+            or not _written_from(reft.LowRankRotateLayer.forward, "LowRankRotateLayer.forward"):
+        return None
+
+    def loreft(base):
         weight = rotate.weight  # one read: the fast path's parametrize.cached() returns the same tensor twice
         rotated_base = torch.matmul(base.to(weight.dtype), weight)
         learned = torch.nn.functional.linear(base, source.weight, source.bias)
-        output = base + torch.matmul((learned if identity else act(learned)) - rotated_base, weight.T)
+        output = base + torch.matmul((learned if act is None else act(learned)) - rotated_base, weight.T)
         return torch.dropout(output.to(base.dtype), dropout.p, dropout.training)  # F.dropout's operation
 
     return loreft
 
 
+def _direft(reft, rotate, source, act, dropout):
+    """DireftIntervention.forward (its rotation's weight is read, its module not called), Linear.forward,
+    Dropout.forward."""
+    def direft(base):
+        cast_base = base.to(source.weight.dtype)
+        learned = torch.nn.functional.linear(cast_base, source.weight, source.bias)
+        weight = rotate.weight
+        output = base + torch.matmul((learned if act is None else act(learned)).to(weight.dtype), weight.T)
+        return torch.dropout(output.to(base.dtype), dropout.p, dropout.training)
+
+    return direft
+
+
+_FORMS = {"LoreftIntervention": _loreft, "DireftIntervention": _direft}
+
+
 #: The sources (``_records.fingerprint``) of pyreft 0.1.0's forwards that ``_operations`` runs the operations of.
-WRITTEN_FROM = {"LoreftIntervention.forward": "e9e62508e54a2da7", "LowRankRotateLayer.forward": "de17864e332a5964"}
+WRITTEN_FROM = {"LoreftIntervention.forward": "e9e62508e54a2da7", "LowRankRotateLayer.forward": "de17864e332a5964",
+                "DireftIntervention.forward": "7b42ef83fe824f81"}
 _same_source: dict = {}  # function -> whether it is a plain function with the source of its WRITTEN_FROM
 
 

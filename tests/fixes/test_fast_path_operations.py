@@ -1,5 +1,5 @@
-"""On the plan, LoReFT runs as the operations of its forward (``_fast_path_call._operations``), not as its five
-module calls: the same outputs as stock pyvene bit for bit, in eval, in training with dropout and an
+"""On the plan, LoReFT and DiReFT run as the operations of their forwards (``_fast_path_call._operations``), not
+as their module calls: the same outputs as stock pyvene bit for bit, in eval, in training with dropout and an
 activation, and in generation; and wherever a module call could do something else (a hook, a replaced or
 wrapped forward, a subclass), the module is called, as stock pyvene calls it.
 """
@@ -16,16 +16,22 @@ from pyvene_dist.testing import models
 S = 9
 
 
-def _reft(layers=(0, 1), **loreft):
-    """A tiny Llama with pyreft's LoReFT rank 4 at ``block_output`` of ``layers``; ``loreft``: its other
-    arguments (dropout, act_fn)."""
+KINDS = ("LoreftIntervention", "DireftIntervention")
+#: what each kind's stock call runs in pyreft/interventions.py
+FORWARDS = {"LoreftIntervention": ["LoreftIntervention.forward", "LowRankRotateLayer.forward"],
+            "DireftIntervention": ["DireftIntervention.forward"]}
+
+
+def _reft(layers=(0, 1), kind="LoreftIntervention", **arguments):
+    """A tiny Llama with pyreft's ``kind`` rank 4 at ``block_output`` of ``layers``; ``arguments``: its
+    other arguments (dropout, act_fn)."""
     import pyreft
 
     base = models.tiny_llama()
     torch.manual_seed(1)
     representations = [{"layer": layer, "component": "block_output", "low_rank_dimension": 4,
-                        "intervention": pyreft.LoreftIntervention(embed_dim=32, low_rank_dimension=4,
-                                                                  dtype=torch.float32, **loreft)}
+                        "intervention": getattr(pyreft, kind)(embed_dim=32, low_rank_dimension=4,
+                                                              dtype=torch.float32, **arguments)}
                        for layer in layers]
     return pyreft.get_reft_model(base, pyreft.ReftConfig(representations=representations))
 
@@ -58,14 +64,15 @@ def _logits(reft, ids, unit_locations, train=False):
         return reft({"input_ids": ids}, unit_locations=unit_locations, labels=ids)[1]
 
 
-def test_loreft_on_the_plan_runs_its_operations_not_its_modules():
-    reft, (ids, locations) = _reft(), _inputs()
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_the_plan_it_runs_its_operations_not_its_modules(kind):
+    reft, (ids, locations) = _reft(kind=kind), _inputs()
     stock_forwards, fast_forwards = [], []
     with _forwards_of_pyreft(stock_forwards):
         stock = _logits(reft, ids, locations).logits
     with pyvene_dist.patched(), _forwards_of_pyreft(fast_forwards):
         fast = _logits(reft, ids, locations).logits
-    assert sorted(set(stock_forwards)) == ["LoreftIntervention.forward", "LowRankRotateLayer.forward"]
+    assert sorted(set(stock_forwards)) == FORWARDS[kind]
     assert fast_forwards == []
     assert torch.equal(fast, stock)
 
@@ -77,14 +84,15 @@ def _with_function_act(reft):
     return reft
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("act_fn", [None, "relu", "a function"])
-def test_training_with_dropout_and_an_activation_is_stock_pyvene(act_fn):
+def test_training_with_dropout_and_an_activation_is_stock_pyvene(act_fn, kind):
     """The dropout draws its mask from the same generator at the same point, and the activation runs as its
     module (or function): the logits equal stock pyvene's bit for bit, the gradients to rounding."""
     def build(**loreft):
         if act_fn == "a function":
-            return _with_function_act(_reft(**loreft))
-        return _reft(act_fn=act_fn, **loreft)
+            return _with_function_act(_reft(kind=kind, **loreft))
+        return _reft(kind=kind, act_fn=act_fn, **loreft)
 
     def step(reft, fast):
         with pyvene_dist.patched(fast_path=fast):
@@ -102,9 +110,13 @@ def test_training_with_dropout_and_an_activation_is_stock_pyvene(act_fn):
         torch.testing.assert_close(fast_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _first(reft):
+    return reft.interventions[next(iter(reft.interventions))]
+
+
 def _hook_on(path):
     def change(reft):
-        module = reft.interventions[next(iter(reft.interventions))]
+        module = _first(reft)
         for name in path.split(".")[1:]:
             module = getattr(module, name)
         return module.register_forward_hook(lambda module, args, output: output * 2)
@@ -114,48 +126,45 @@ def _hook_on(path):
 def _global_hook(reft):
     from torch.nn.modules.module import register_module_forward_hook
 
-    return register_module_forward_hook(lambda module, args, output: output * 2 if type(module).__name__ ==
-                                        "LoreftIntervention" else None)
+    kind = type(_first(reft))
+    return register_module_forward_hook(lambda module, args, output: output * 2 if type(module) is kind else None)
 
 
 def _instance_forward(reft):
-    intervention = reft.interventions[next(iter(reft.interventions))]
+    intervention = _first(reft)
     intervention.forward = lambda base, source=None, subspaces=None: base + 1.0
     return _Removed(lambda: vars(intervention).pop("forward"))
 
 
 def _class_forward(reft):
-    """A class-level replacement, as a user's patch or a tracer (wrapt) makes one."""
-    from pyreft.interventions import LoreftIntervention
-
-    original = LoreftIntervention.forward
+    """A class-level replacement, as a user's patch makes one."""
+    kind = type(_first(reft))
+    original = kind.forward
 
     def forward(self, base, source=None, subspaces=None):
         return original(self, base, source, subspaces) + 1.0
 
-    LoreftIntervention.forward = forward
-    return _Removed(lambda: setattr(LoreftIntervention, "forward", original))
+    kind.forward = forward
+    return _Removed(lambda: setattr(kind, "forward", original))
 
 
 def _wrapt_forward(reft):
     """A tracer's wrapper (dd-trace-py and OpenTelemetry wrap with wrapt): the class's forward is not a plain
     function any more."""
     import wrapt
-    from pyreft.interventions import LoreftIntervention
 
-    original = LoreftIntervention.forward
-    wrapt.wrap_function_wrapper(LoreftIntervention, "forward",
-                                lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 1.0)
-    return _Removed(lambda: setattr(LoreftIntervention, "forward", original))
+    kind = type(_first(reft))
+    original = kind.forward
+    wrapt.wrap_function_wrapper(kind, "forward", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 1.0)
+    return _Removed(lambda: setattr(kind, "forward", original))
 
 
 def _subclass(reft):
-    from pyreft.interventions import LoreftIntervention
-
-    intervention = reft.interventions[next(iter(reft.interventions))]
-    intervention.__class__ = type("Scaled", (LoreftIntervention,), {
-        "forward": lambda self, base, source=None, subspaces=None: LoreftIntervention.forward(self, base) * 2})
-    return _Removed(lambda: setattr(intervention, "__class__", LoreftIntervention))
+    intervention = _first(reft)
+    kind = type(intervention)
+    intervention.__class__ = type("Scaled", (kind,), {
+        "forward": lambda self, base, source=None, subspaces=None: kind.forward(self, base) * 2})
+    return _Removed(lambda: setattr(intervention, "__class__", kind))
 
 
 class _Removed:
@@ -165,7 +174,7 @@ class _Removed:
 
 CHANGES = {
     "hook on the intervention": _hook_on("intervention"),
-    "hook on its rotation": _hook_on("intervention.rotate_layer"),
+    "hook on its rotation": _hook_on("intervention.rotate_layer"),  # LoReFT calls it; DiReFT reads its weight
     "hook on its learned source": _hook_on("intervention.learned_source"),
     "global hook": _global_hook,
     "forward set on the instance": _instance_forward,
@@ -173,11 +182,13 @@ CHANGES = {
     "forward wrapped by wrapt": _wrapt_forward,
     "a subclass": _subclass,
 }
+CASES = [(kind, change) for kind in KINDS for change in CHANGES
+         if not (kind == "DireftIntervention" and change == "hook on its rotation")]
 
 
-@pytest.mark.parametrize("change", CHANGES)
-def test_a_loreft_whose_call_does_more_is_called_as_a_module(change):
-    reft, (ids, locations) = _reft(), _inputs()
+@pytest.mark.parametrize("kind, change", CASES)
+def test_an_intervention_whose_call_does_more_is_called_as_a_module(kind, change):
+    reft, (ids, locations) = _reft(kind=kind), _inputs()
     plain = _logits(reft, ids, locations).logits
     handle = CHANGES[change](reft)
     try:
@@ -192,8 +203,9 @@ def test_a_loreft_whose_call_does_more_is_called_as_a_module(change):
         assert torch.equal(_logits(reft, ids, locations).logits, plain)
 
 
-def test_every_token_generation_runs_the_operations_and_is_stock_pyvene():
-    reft, (ids, _) = _reft(), _inputs()
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_token_generation_runs_the_operations_and_is_stock_pyvene(kind):
+    reft, (ids, _) = _reft(kind=kind), _inputs()
     reft.eval()
     prompt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     arguments = dict(unit_locations=None, intervene_on_prompt=False, max_new_tokens=6, do_sample=False,
