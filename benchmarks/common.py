@@ -214,17 +214,26 @@ def compare(rows: list[dict], baseline: str, providers) -> None:
         row["ratio"] = row["median_ms"] / base["median_ms"]
         if row.get("host_p50_ms") is not None and base.get("host_p50_ms") is not None:
             row["host_minus_baseline_ms"] = row["host_p50_ms"] - base["host_p50_ms"]
-        mine, theirs = row.get("round_medians_ms"), base.get("round_medians_ms")
-        if mine and theirs and len(mine) == len(theirs):
-            ratios = [a / b for a, b in zip(mine, theirs)]
+        ratios = _round_ratios(row, base, "round_medians_ms")
+        if ratios:
             row["ratio_rounds"] = ratios
-            row["ratio_median"], row["ratio_min"], row["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
-        mine, theirs = row.get("cpu_round_medians_ms"), base.get("cpu_round_medians_ms")
-        if mine and theirs and len(mine) == len(theirs):
-            ratios = [a / b for a, b in zip(mine, theirs)]
+            row.update(_spread("ratio", ratios))
+        ratios = _round_ratios(row, base, "cpu_round_medians_ms")
+        if ratios:
             row["cpu_ratio"] = row["cpu_p50_ms"] / base["cpu_p50_ms"]
-            row["cpu_ratio_median"], row["cpu_ratio_min"], row["cpu_ratio_max"] = \
-                statistics.median(ratios), min(ratios), max(ratios)
+            row.update(_spread("cpu_ratio", ratios))
+
+
+def _round_ratios(row: dict, base: dict, field: str) -> list | None:
+    """``row``'s per-round ``field`` over ``base``'s, round by round; None where they do not pair up."""
+    mine, theirs = row.get(field), base.get(field)
+    if mine and theirs and len(mine) == len(theirs):
+        return [a / b for a, b in zip(mine, theirs)]
+    return None
+
+
+def _spread(name: str, ratios: list) -> dict:
+    return {f"{name}_median": statistics.median(ratios), f"{name}_min": min(ratios), f"{name}_max": max(ratios)}
 
 
 # --- rows -------------------------------------------------------------------------------------------------

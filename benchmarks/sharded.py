@@ -103,7 +103,8 @@ def _measure(name, base, layers, ids, batch, case, options, device, dtype) -> li
     found = [{"provider": provider, "measure": "train", "strategy": name, "world_size": 1,
               "model": options["model"], "batch": options["batch"], "seq_len": options["seq_len"],
               "tokens": options["batch"] * options["seq_len"], "positions": options["positions"],
-              "layers": layers, "rounds": options["rounds"], **common.summary(times[provider], host[provider], cpu[provider]),
+              "layers": layers, "rounds": options["rounds"],
+              **common.summary(times[provider], host[provider], cpu[provider]),
               "peak_memory_gib": common.peak_memory_gib(device), **meta} for provider in steps]
     common.compare(found, "peft-lora", ("pyvene_dist",))
     for row in found:
