@@ -172,7 +172,8 @@ def _operations(intervention):
     rotate, source, act, dropout = (intervention.rotate_layer, intervention.learned_source, intervention.act_fn,
                                     intervention.dropout)
     if type(source) is not torch.nn.Linear or type(dropout) is not torch.nn.Dropout or dropout.inplace \
-            or not all(_plain(module) for module in (intervention, rotate, source, act, dropout)):
+            or not all(_plain(module) for module in (intervention, rotate, source, dropout)) \
+            or isinstance(act, torch.nn.Module) and not _plain(act):  # a function (torch.relu) is called as is
         return None
     from transformers.activations import LinearActivation
 
@@ -235,12 +236,9 @@ def _written_from(function, name: str) -> bool:
     return same
 
 
-def _plain(module) -> bool:
+def _plain(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs its class's ``forward`` and nothing else (``Module._call_impl``'s own
-    test, with a ``forward`` set on the instance); a callable that is not a module (an ``act_fn`` a user set
-    to ``torch.relu``) is called as it is either way."""
-    if not isinstance(module, torch.nn.Module):
-        return True
+    test, with a ``forward`` set on the instance)."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or "forward" in module.__dict__)
 
