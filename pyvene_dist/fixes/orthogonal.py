@@ -48,17 +48,30 @@ from ``X``, so gradients equal eager ones to rounding). Under autocast (HF Train
 forward is captured under the caller's autocast, so it runs the eager kernels, bf16 product included, and
 the backward takes that product's gradient in bf16 as autograd does, the rest in float32.
 
-Graphs are used for float32 tall matrices on CUDA with a ``base`` (``use_trivialization=True``, torch's
+Graphs are used for tall matrices on CUDA with a float32 ``base`` (``use_trivialization=True``, torch's
 default and pyreft's), outside ``torch.compile`` and another capture, for a module that is not a
-DataParallel replica and a plain tensor (not a DeepSpeed partition or a DTensor), and not inside a
+DataParallel replica and a plain tensor or parameter (not a DTensor), and not inside a
 gradient-checkpointed training forward or its recomputation (``checkpointing.in_checkpointed_forward``):
 a rotation eager in the forward and replayed in the recomputation saves fewer tensors, which torch's
-non-reentrant checkpoint refuses. They are captured at
+non-reentrant checkpoint refuses. A float32 matrix is read in place: its graphs are captured at
 the ``WARM_CALLS``-th call with the same storage, strides and settings, and again when the storage of
 ``X`` or ``base`` changes (a move, an assigning load), the float32 matmul settings or the autocast state
 change. In-place updates (optimizer steps, ``load_state_dict``'s copies) are seen by the next replay, as
 the graphs read the storage itself; an update between a forward and its backward fails as autograd's own
 check does.
+
+**Staged graphs.** A DeepSpeed ZeRO-3 partition (``ds_id``) is gathered into new storage at every step,
+and a half-precision matrix (DeepSpeed's bf16 mode) is computed from a float32 copy: neither has a storage
+the graphs could read, so they ran eagerly, about 190 operator calls per rotation and step, most of what
+a ReFT step under ZeRO-3 issued beyond LoRA's. Their graphs read a float32 input of their own instead,
+into which each forward copies the matrix (one copy kernel, which also casts); the rotation comes back in
+the matrix's dtype where that is half precision, as the eager path returns it, and so does its gradient.
+The backward needs the matrix its forward loaded: a later forward that loads another while that backward
+may still come (autograd still holds the forward's saved token) first keeps a snapshot of it, and the
+backward loads the snapshot back. The partition itself is not saved for the backward, as DeepSpeed empties
+its storage after the module's forward; so an in-place change between a forward and its backward is not
+refused here, as it is not by the eager rotation of a partition (it saves no view of the matrix either):
+the gradient is that of the forward's matrix.
 A capture that fails (out of memory, say) warns once and leaves that rotation eager.
 ``patch(cuda_graphs=False)``, or ``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()``, turns the graphs off (torch's
 eager rotation).
@@ -161,10 +174,12 @@ class ReftOrthogonal(_Orthogonal):
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         if FIX.name not in REGISTRY.applied:  # a copy made while patched, used after unpatch()
             return super().forward(X)
+        replayed = replayed_rotation(self, X) if REGISTRY.options.cuda_graphs else None
+        if replayed is not None:
+            return replayed
         if X.dtype in _HALF:
             return _eager(self, X.float()).to(X.dtype)
-        replayed = replayed_rotation(self, X) if REGISTRY.options.cuda_graphs else None
-        return replayed if replayed is not None else _eager(self, X)
+        return _eager(self, X)
 
 
 def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
@@ -194,16 +209,17 @@ def graphs_of(orthogonal) -> "_Graphs | None":
 
 def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     """``orthogonal(X)`` from CUDA graphs, or ``None`` where they do not apply (see the module docstring)."""
-    if not _applies(orthogonal, X):
+    staged = _applies(orthogonal, X)
+    if staged is None:
         return None
     state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
-    key = _key(orthogonal, X)
+    key = _key(orthogonal, X, staged)
     with _lock:
         graphs = state.graphs.get(orthogonal)
         if graphs is None or graphs.key != key:
-            graphs = state.graphs[orthogonal] = _Graphs(key)
+            graphs = state.graphs[orthogonal] = _Graphs(key, staged)
         if graphs.forward_graph is None:
             graphs.calls += 1
             if graphs.calls < WARM_CALLS or graphs.failed:
@@ -216,48 +232,64 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
                               f"eagerly ({type(error).__name__}: {error}); PYVENE_DIST_CUDA_GRAPHS=0 skips "
                               f"the attempt", RuntimeWarning, stacklevel=2)
                 return None
+    if staged:
+        return _StagedReplay.apply(X, graphs) if torch.is_grad_enabled() and X.requires_grad else \
+            graphs.replay_staged_forward(X, None)
     if torch.is_grad_enabled() and X.requires_grad:
         return _Replay.apply(X, graphs)
     return graphs.replay_forward()
 
 
-def _applies(orthogonal, X) -> bool:
+def _applies(orthogonal, X) -> bool | None:
+    """None where the graphs do not apply; else whether they read a copy of ``X`` (staged: a DeepSpeed
+    partition, whose storage changes as it is gathered, or a half-precision matrix, computed in float32)
+    or ``X``'s own storage."""
     base = getattr(orthogonal, "base", None)
-    return (
+    applies = (
         X.is_cuda
-        and X.dtype == torch.float32
+        and X.dtype in _GRAPHED
         and X.dim() == 2
         and X.size(0) >= X.size(1)
         and isinstance(base, torch.Tensor)
         and base.dtype == torch.float32
         and type(X) in (torch.Tensor, torch.nn.Parameter)
-        and not hasattr(X, "ds_id")
         and not is_replica(orthogonal)
         and str(getattr(orthogonal, "orthogonal_map", "")).endswith("householder")
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
         and not gradient_checkpointing.in_checkpointed_forward()
     )
+    return (X.dtype != torch.float32 or hasattr(X, "ds_id")) if applies else None
 
 
-def _key(orthogonal, X) -> tuple:
+_GRAPHED = (torch.float32, *_HALF)
+
+
+def _key(orthogonal, X, staged: bool) -> tuple:
     base = orthogonal.base
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    return (X.data_ptr(), X.shape, X.stride(), X.device, base.data_ptr(), base.shape, base.stride(),
+    where = (X.shape, X.device) if staged else (X.data_ptr(), X.shape, X.stride(), X.device)
+    return (staged, *where, base.data_ptr(), base.shape, base.stride(),
             torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), autocast)
 
 
 class _Graphs:
-    def __init__(self, key: tuple) -> None:
+    def __init__(self, key: tuple, staged: bool = False) -> None:
         self.key = key
+        self.staged = staged  # the graphs read self.X, a float32 copy of the matrix, instead of its storage
         self.calls = 0
         self.failed = False  # a capture failed for this key: eager from then on
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.backward_graph: torch.cuda.CUDAGraph | None = None
+        self.holder: _Staging | None = None  # staged: the forward whose matrix self.X holds
 
     def capture(self, X: torch.Tensor, base: torch.Tensor) -> None:
         """Capture under the caller's autocast state (the forward's kernels are then the eager ones), the
         backward without autocast, as autograd runs it."""
+        if self.staged:
+            self.X = torch.empty(X.shape, dtype=torch.float32, device=X.device)
+            self.X.copy_(X)
+            X = self.X
         device = X.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -289,6 +321,33 @@ class _Graphs:
         self.backward_graph.replay()
         return self.grad_X.clone()
 
+    def replay_staged_forward(self, X: torch.Tensor, staging: "_Staging | None") -> torch.Tensor:
+        """The rotation of ``X`` (copied in), in ``X``'s dtype where that is half precision (as the eager
+        path returns it); ``staging`` stands for the backward to come, if any."""
+        with _lock:
+            self._load(X, staging)
+            self.forward_graph.replay()
+            return self.Q.to(X.dtype if X.dtype in _HALF else self.Q.dtype, copy=True)
+
+    def replay_staged_backward(self, staging: "_Staging", grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """d loss / d X of the forward ``staging`` stands for, in ``dtype`` (the matrix's)."""
+        with _lock:
+            if self.holder is not staging:  # a later forward loaded its own matrix
+                self._load(staging.snapshot, staging)
+            staging.snapshot = None
+            self.grad_Q.copy_(grad)
+            self.backward_graph.replay()
+            return self.grad_X.to(dtype, copy=True)
+
+    def _load(self, X: torch.Tensor, staging: "_Staging | None") -> None:
+        """Copy ``X`` into the graphs' input. The forward whose matrix it held, if its backward may still
+        come, first gets a snapshot of that matrix: its backward needs it, not the one loaded now."""
+        holder = self.holder
+        if holder is not None and holder is not staging and holder.snapshot is None and holder.pending():
+            holder.snapshot = self.X.clone()
+        self.X.copy_(X)
+        self.holder = staging
+
 
 class _Replay(torch.autograd.Function):
     @staticmethod
@@ -302,6 +361,38 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, grad):
         _ = ctx.saved_tensors  # raises, as autograd does, if X was modified in place since the forward
         return ctx.graphs.replay_backward(grad), None
+
+
+class _Staging:
+    """One staged forward under autograd: whether its backward may still come, and the matrix it loaded
+    once a later load has displaced it (``_Graphs._load``)."""
+
+    __slots__ = ("token", "snapshot")
+
+    def __init__(self, token: torch.Tensor) -> None:
+        # Autograd holds the token as a saved tensor: it lets go of it once the backward has run (unless
+        # the graph is retained) or the graph is freed, and only then does the weak reference die.
+        self.token = weakref.ref(token)
+        self.snapshot: torch.Tensor | None = None
+
+    def pending(self) -> bool:
+        return self.token() is not None
+
+
+class _StagedReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, graphs):
+        # X is not saved: a DeepSpeed partition is released after its module's forward (its storage
+        # emptied); the matrix is kept by the graphs' input or a snapshot instead (_Graphs._load).
+        token = torch.empty(0)
+        ctx.save_for_backward(token)
+        ctx.graphs, ctx.staging, ctx.dtype = graphs, _Staging(token), X.dtype
+        return graphs.replay_staged_forward(X, ctx.staging)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return ctx.graphs.replay_staged_backward(ctx.staging, grad, ctx.dtype), None
 
 
 def _reflectors(X):

@@ -380,3 +380,142 @@ def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch
     replayed = train(case, Strategy("cuda:0"))
     assert captured, "no rotation was captured"
     assert_parity(eager, replayed, case.tolerance)
+
+
+class _Replayable:
+    """A stand-in for a captured CUDA graph on CPU: ``replay()`` runs what was captured."""
+
+    def __init__(self, function):
+        self.replay = function
+
+
+def _staged_graphs_on_cpu(orthogonal, X):
+    """A staged ``_Graphs`` whose 'graphs' run the captured functions on its own buffers, as replays do:
+    the bookkeeping of the staged path (what its input holds at each backward) without a GPU."""
+    graphs = graphed._Graphs(key=(), staged=True)
+    graphs.X = X.detach().float().clone()
+    graphs.grad_Q = torch.zeros(X.shape)
+
+    def forward():
+        graphs.Q = graphed._forward(graphs.X, orthogonal.base)
+
+    def backward():
+        graphs.grad_X = graphed._backward(graphs.X, orthogonal.base, graphs.grad_Q)
+
+    graphs.forward_graph, graphs.backward_graph = _Replayable(forward), _Replayable(backward)
+    return graphs
+
+
+def _torchs_gradient(orthogonal, X, grad_Q):
+    X = X.detach().float().requires_grad_()
+    (grad,) = torch.autograd.grad(orthogonal(X), X, grad_Q)  # unpatched: torch's own forward and backward
+    return grad
+
+
+@pytest.mark.parametrize("order", ["last forward first", "first forward first"])
+def test_a_staged_backward_gets_the_matrix_of_its_own_forward(order):
+    """Staged graphs read one input buffer: two forwards of different matrices (and a no-grad forward of a
+    third) before their backwards, in either order, each get torch's gradient of their own matrix; a
+    second backward of a retained graph too."""
+    orthogonal, X = _parts(_rotation())
+    graphs = _staged_graphs_on_cpu(orthogonal, X)
+    matrices = [(X + 0.05 * torch.randn(X.shape).tril(-1)).detach().requires_grad_() for _ in range(3)]
+    weights = [torch.randn(X.shape, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    rotations = [graphed._StagedReplay.apply(matrix, graphs) for matrix in matrices[:2]]
+    with torch.no_grad():
+        third = graphs.replay_staged_forward(matrices[2], None)
+        assert torch.equal(third, graphed._forward(matrices[2].float(), orthogonal.base))
+    for i, rotation in enumerate(rotations):
+        assert torch.equal(rotation, graphed._forward(matrices[i].detach(), orthogonal.base)), f"forward {i}"
+    for i in ([1, 0] if order == "last forward first" else [0, 1]):
+        (rotations[i] * weights[i]).sum().backward(retain_graph=True)
+        (rotations[i] * weights[i]).sum().backward()  # the retained graph, again: the same gradient twice
+    for i in range(2):
+        expected = _torchs_gradient(orthogonal, matrices[i], weights[i])
+        error = _relative_error(matrices[i].grad, 2 * expected)
+        assert error < 1e-5, f"forward {i}: gradient relative error {error:.2e}"
+
+
+def test_a_staged_forward_keeps_no_snapshot_once_its_backward_has_run():
+    """A training step's forward and backward, then the next forward, with the first step's graph still
+    referenced (as a loss kept for logging keeps it): no copy of the first matrix is made."""
+    orthogonal, X = _parts(_rotation())
+    graphs = _staged_graphs_on_cpu(orthogonal, X)
+    X = X.detach().clone().requires_grad_()
+    first = graphed._StagedReplay.apply(X, graphs)
+    loss = first.square().sum()
+    loss.backward()
+    staging = first.grad_fn.staging
+    assert not staging.pending()
+    graphed._StagedReplay.apply(X, graphs)
+    assert staging.snapshot is None
+    second = graphed._StagedReplay.apply(X, graphs)  # the second's backward may still come: it is kept
+    graphed._StagedReplay.apply(X, graphs)
+    assert second.grad_fn.staging.snapshot is not None
+
+
+def test_a_staged_rotation_of_a_half_precision_matrix_is_returned_in_its_dtype():
+    """As the eager path: the float32 map of the matrix cast to float32, cast back; the gradient too."""
+    orthogonal, X = _parts(_rotation())
+    graphs = _staged_graphs_on_cpu(orthogonal, X)
+    half = X.detach().bfloat16().requires_grad_()
+    got = graphed._StagedReplay.apply(half, graphs)
+    assert got.dtype == torch.bfloat16
+    grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got.backward(grad_Q)
+    expected_half = half.detach().clone().requires_grad_()
+    expected = orthogonal(expected_half.float()).to(torch.bfloat16)
+    expected.backward(grad_Q)
+    assert torch.equal(got, expected)
+    assert half.grad.dtype == torch.bfloat16
+    assert _relative_error(half.grad.float(), expected_half.grad.float()) < 1e-2  # bf16 rounding of the same
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matrix_gathered_into_new_storage_each_step_is_replayed(patched, monkeypatch, dtype):
+    """What DeepSpeed ZeRO-3 gives the rotation (a partition, ``ds_id``, gathered into new storage each
+    step), and what its bf16 engine gives (the matrix in bf16): one capture, read through a copy of the
+    matrix; every step's rotation equals the eager path's bit for bit, its gradient to rounding."""
+    rotate = _rotation("cuda", hidden=2048)
+    orthogonal, X = _parts(rotate)
+    X.data = X.data.to(dtype)
+    X.ds_id = 0
+    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    captures = []
+    capture = graphed._Graphs.capture
+    monkeypatch.setattr(graphed._Graphs, "capture", lambda graphs, *args: captures.append(capture(graphs, *args)))
+    grad_bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the same float32 gradient, rounded
+    for step in range(4):
+        X.data = X.data.clone()  # a new storage, as each gather gives
+        with torch.no_grad():
+            X.data[step + 1, 0] += 0.01
+        weight = rotate.weight
+        _loss(weight.float()).backward()
+        assert graphed.graphs_of(orthogonal).staged, f"step {step}: not staged"
+        assert weight.dtype == dtype
+        X_eager = X.detach().clone().requires_grad_()
+        expected = graphed._eager(orthogonal, X_eager.float()).to(dtype)  # the eager path (torch's for float32)
+        _loss(expected.float()).backward()
+        assert torch.equal(weight, expected), f"step {step}: forward differs"
+        error = _relative_error(X.grad.float(), X_eager.grad.float())
+        assert X.grad.dtype == dtype and error < grad_bound, f"step {step}: gradient relative error {error:.2e}"
+        X.grad = None
+    assert len(captures) == 1
+
+
+@pytest.mark.gpus(1)
+def test_a_staged_step_is_two_graph_launches_and_five_copies(patched):
+    rotate = _rotation("cuda", hidden=256)
+    X = _parts(rotate)[1]
+    X.ds_id = 0
+    for _ in range(graphed.WARM_CALLS + 1):
+        _loss(rotate.weight).backward()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        _loss(rotate.weight).backward()
+        torch.cuda.synchronize()
+    names = [event.name for event in profile.events()]
+    assert names.count("cudaGraphLaunch") == 2, sorted(set(names))
+    assert names.count("aten::linalg_householder_product") == 0
