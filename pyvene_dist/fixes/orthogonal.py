@@ -60,18 +60,21 @@ change. In-place updates (optimizer steps, ``load_state_dict``'s copies) are see
 the graphs read the storage itself; an update between a forward and its backward fails as autograd's own
 check does.
 
-**Staged graphs.** A DeepSpeed ZeRO-3 partition (``ds_id``) is gathered into new storage at every step,
-and a half-precision matrix (DeepSpeed's bf16 mode) is computed from a float32 copy: neither has a storage
-the graphs could read, so they ran eagerly, about 190 operator calls per rotation and step, most of what
-a ReFT step under ZeRO-3 issued beyond LoRA's. Their graphs read a float32 input of their own instead,
-into which each forward copies the matrix (one copy kernel, which also casts); the rotation comes back in
-the matrix's dtype where that is half precision, as the eager path returns it, and so does its gradient.
-The backward needs the matrix its forward loaded: a later forward that loads another while that backward
-may still come (autograd still holds the forward's saved token) first keeps a snapshot of it, and the
-backward loads the snapshot back. The partition itself is not saved for the backward, as DeepSpeed empties
-its storage after the module's forward; so an in-place change between a forward and its backward is not
-refused here, as it is not by the eager rotation of a partition (it saves no view of the matrix either):
-the gradient is that of the forward's matrix.
+**Staged graphs.** A half-precision matrix (DeepSpeed's bf16 mode) is computed from a float32 copy, and
+a ZeRO-3 matrix may be gathered into new storage at every step (DeepSpeed's module hooks hand it over as
+a plain tensor; a partition read directly carries ``ds_id``): neither has a storage the graphs could read,
+so they ran eagerly, about 190 operator calls per rotation and step, most of what a ReFT step under
+ZeRO-3 issued beyond LoRA's. Their graphs read a float32 input of their own instead, into which each
+forward copies the matrix (one copy kernel, which also casts): for a half-precision matrix, a partition,
+and a matrix that came in new storage at ``STAGED_AFTER_MOVES`` calls in a row (a single move, such as a
+load, recaptures in place). The rotation comes back in the matrix's dtype where that is half precision,
+as the eager path returns it, and so does its gradient. The backward needs the matrix its forward
+loaded: a later forward that loads another while that backward may still come (autograd still holds the
+forward's saved token) first keeps a snapshot of it, and the backward loads the snapshot back. The matrix
+itself is not saved for the backward (DeepSpeed empties a partition's storage after its module's
+forward), so an in-place change between a forward and its backward is not refused here (nor by the
+eager rotation, which saves no view of the matrix either): the gradient is that of the forward's matrix.
+
 A capture that fails (out of memory, say) warns once and leaves that rotation eager.
 ``patch(cuda_graphs=False)``, or ``PYVENE_DIST_CUDA_GRAPHS=0`` at ``patch()``, turns the graphs off (torch's
 eager rotation).
@@ -215,13 +218,17 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
-    key = _key(orthogonal, X, staged)
+    settings, storage = _settings(orthogonal, X), (X.data_ptr(), X.stride())
     with _lock:
         graphs = state.graphs.get(orthogonal)
-        if graphs is None or graphs.key != key:
-            graphs = state.graphs[orthogonal] = _Graphs(key, staged)
+        if graphs is None or graphs.settings != settings or not (graphs.staged or graphs.storage == storage):
+            # A matrix in new storage at consecutive calls (a ZeRO-3 gather) is read through a copy from then on.
+            moved = graphs is not None and graphs.settings == settings and not graphs.staged
+            moves = (graphs.moves if graphs.calls <= 1 else 0) + 1 if moved else 0
+            staged = staged or moves >= STAGED_AFTER_MOVES
+            graphs = state.graphs[orthogonal] = _Graphs(settings, storage, staged, moves)
+        graphs.calls += 1
         if graphs.forward_graph is None:
-            graphs.calls += 1
             if graphs.calls < WARM_CALLS or graphs.failed:
                 return None
             try:
@@ -232,7 +239,7 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
                               f"eagerly ({type(error).__name__}: {error}); PYVENE_DIST_CUDA_GRAPHS=0 skips "
                               f"the attempt", RuntimeWarning, stacklevel=2)
                 return None
-    if staged:
+    if graphs.staged:
         return _StagedReplay.apply(X, graphs) if torch.is_grad_enabled() and X.requires_grad else \
             graphs.replay_staged_forward(X, None)
     if torch.is_grad_enabled() and X.requires_grad:
@@ -240,10 +247,14 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     return graphs.replay_forward()
 
 
+#: Calls in a row at which the matrix came in new storage, after which its graphs read it through a copy.
+STAGED_AFTER_MOVES = 2
+
+
 def _applies(orthogonal, X) -> bool | None:
-    """None where the graphs do not apply; else whether they read a copy of ``X`` (staged: a DeepSpeed
-    partition, whose storage changes as it is gathered, or a half-precision matrix, computed in float32)
-    or ``X``'s own storage."""
+    """None where the graphs do not apply; else whether they must read a copy of ``X`` (staged: a
+    half-precision matrix, computed in float32, or a DeepSpeed partition read directly) rather than its
+    storage (which ``replayed_rotation`` also gives up on for a matrix that moves at every call)."""
     base = getattr(orthogonal, "base", None)
     applies = (
         X.is_cuda
@@ -265,18 +276,19 @@ def _applies(orthogonal, X) -> bool | None:
 _GRAPHED = (torch.float32, *_HALF)
 
 
-def _key(orthogonal, X, staged: bool) -> tuple:
+def _settings(orthogonal, X) -> tuple:
+    """What the graphs were captured for, but for the storage of ``X``."""
     base = orthogonal.base
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    where = (X.shape, X.device) if staged else (X.data_ptr(), X.shape, X.stride(), X.device)
-    return (staged, *where, base.data_ptr(), base.shape, base.stride(),
+    return (X.shape, X.dtype, X.device, base.data_ptr(), base.shape, base.stride(),
             torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), autocast)
 
 
 class _Graphs:
-    def __init__(self, key: tuple, staged: bool = False) -> None:
-        self.key = key
+    def __init__(self, settings: tuple, storage: tuple, staged: bool = False, moves: int = 0) -> None:
+        self.settings, self.storage = settings, storage  # storage: the matrix's, read in place unless staged
         self.staged = staged  # the graphs read self.X, a float32 copy of the matrix, instead of its storage
+        self.moves = moves  # calls in a row, this one included, at which the matrix came in new storage
         self.calls = 0
         self.failed = False  # a capture failed for this key: eager from then on
         self.forward_graph: torch.cuda.CUDAGraph | None = None

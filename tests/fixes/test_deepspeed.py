@@ -292,9 +292,9 @@ def test_interventions_on_a_model_partitioned_by_zero_init_take_its_bf16():
 @pytest.mark.world_size(1, timeout=600)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_zero3_with_replayed_rotations_matches_eager_rotations(dtype):
-    """On a GPU, LoReFT's rotation of a ZeRO-3 partition (gathered into new storage at every step; bf16 in
-    DeepSpeed's bf16 mode) replays from CUDA graphs through a copy of the matrix (fixes.orthogonal's staged
-    graphs): losses, gradients and weights match those of the eager rotation."""
+    """On a GPU, LoReFT's rotation of a ZeRO-3 partition replays from CUDA graphs (in DeepSpeed's bf16 mode
+    through a float32 copy of the matrix: fixes.orthogonal's staged graphs): losses, gradients and weights
+    match those of the eager rotation."""
     import pyvene_dist
     from pyvene_dist.fixes import orthogonal
 
@@ -315,6 +315,8 @@ def test_zero3_with_replayed_rotations_matches_eager_rotations(dtype):
     finally:
         orthogonal._Graphs.capture, orthogonal.WARM_CALLS = capture, warm_calls
         pyvene_dist.unpatch()
-    assert staged and all(staged), f"captures (staged or not): {staged}"
+    assert staged, "no rotation was captured"
+    if dtype == "bfloat16":  # float32: at world 1 the gathered matrix keeps its storage, read in place
+        assert all(staged), f"captures (staged or not): {staged}"
     print(f"zero3 {dtype}, replayed against eager: {differences(runs[False], runs[True])}")
     assert_parity(runs[False], runs[True], case.tolerance)

@@ -389,27 +389,74 @@ class _Replayable:
         self.replay = function
 
 
-def _staged_graphs_on_cpu(orthogonal, X):
-    """A staged ``_Graphs`` whose 'graphs' run the captured functions on its own buffers, as replays do:
-    the bookkeeping of the staged path (what its input holds at each backward) without a GPU."""
-    graphs = graphed._Graphs(key=(), staged=True)
-    graphs.X = X.detach().float().clone()
+def _capture_on_cpu(graphs, X, base):
+    """``_Graphs.capture`` on CPU: the 'graphs' run the captured functions on the buffers a capture reads
+    (the matrix's storage, or the staged input), as replays do."""
+    if graphs.staged:
+        graphs.X = X.detach().float().clone()
+        X = graphs.X
+    X = X.detach()  # a view of the same storage: its later values are read, as a graph reads them
     graphs.grad_Q = torch.zeros(X.shape)
 
     def forward():
-        graphs.Q = graphed._forward(graphs.X, orthogonal.base)
+        graphs.Q = graphed._forward(X, base)
 
     def backward():
-        graphs.grad_X = graphed._backward(graphs.X, orthogonal.base, graphs.grad_Q)
+        graphs.grad_X = graphed._backward(X, base, graphs.grad_Q)
 
     graphs.forward_graph, graphs.backward_graph = _Replayable(forward), _Replayable(backward)
+
+
+def _staged_graphs_on_cpu(orthogonal, X):
+    """Staged graphs on CPU: the bookkeeping of the staged path (what its input holds at each backward)."""
+    graphs = graphed._Graphs(settings=(), storage=(), staged=True)
+    _capture_on_cpu(graphs, X, orthogonal.base)
     return graphs
 
 
 def _torchs_gradient(orthogonal, X, grad_Q):
+    """torch's own forward and backward, whether the rotation's class is torch's or the fix's."""
+    from torch.nn.utils.parametrizations import _Orthogonal
+
     X = X.detach().float().requires_grad_()
-    (grad,) = torch.autograd.grad(orthogonal(X), X, grad_Q)  # unpatched: torch's own forward and backward
+    (grad,) = torch.autograd.grad(_Orthogonal.forward(orthogonal, X), X, grad_Q)
     return grad
+
+
+@pytest.mark.parametrize(("moved_at", "staged"), [
+    (range(8), [False, False] + [True] * 6),  # a ZeRO-3 gather's new storage at every call: staged from the 3rd
+    ([2, 5], [False] * 8),  # moves apart (a load, say): read in place again, recaptured
+])
+def test_a_matrix_in_new_storage_at_consecutive_calls_is_read_through_a_copy(patched, monkeypatch, moved_at, staged):
+    """How DeepSpeed's hooks hand a ZeRO-3 rotation its matrix (a plain float32 tensor whose storage
+    changes at every step): after two calls in a row in new storage the graphs read a copy; every call's
+    rotation is torch's bit for bit, its gradient torch's to rounding."""
+    from torch.nn.utils.parametrizations import _Orthogonal
+
+    rotate = _rotation()
+    orthogonal, X = _parts(rotate)
+    monkeypatch.setattr(graphed, "_applies", lambda orthogonal, X: False)  # as for a float32 matrix on a GPU
+    monkeypatch.setattr(graphed._Graphs, "capture", _capture_on_cpu)
+    found, captured = [], []
+    for call in range(8):
+        if call in moved_at:
+            X.data = X.data.clone()
+        with torch.no_grad():
+            X.data[call + 1, 0] += 0.01
+        weight = rotate.weight
+        _loss(weight).backward()
+        graphs = graphed.graphs_of(orthogonal)
+        found.append(graphs.staged)
+        captured.append(graphs.forward_graph is not None)
+        with torch.no_grad():
+            assert torch.equal(weight, _Orthogonal.forward(orthogonal, X)), f"call {call}: forward differs"
+        detached = weight.detach().requires_grad_()
+        (grad_Q,) = torch.autograd.grad(_loss(detached), detached)
+        error = _relative_error(X.grad, _torchs_gradient(orthogonal, X, grad_Q))
+        assert error < 1e-5, f"call {call}: gradient relative error {error:.2e}"
+        X.grad = None
+    assert found == staged
+    assert captured[-1], "never replayed"
 
 
 @pytest.mark.parametrize("order", ["last forward first", "first forward first"])
@@ -473,26 +520,23 @@ def test_a_staged_rotation_of_a_half_precision_matrix_is_returned_in_its_dtype()
 
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_matrix_gathered_into_new_storage_each_step_is_replayed(patched, monkeypatch, dtype):
-    """What DeepSpeed ZeRO-3 gives the rotation (a partition, ``ds_id``, gathered into new storage each
+def test_a_matrix_in_new_storage_at_every_step_is_replayed(patched, monkeypatch, dtype):
+    """What DeepSpeed ZeRO-3's hooks hand the rotation (its matrix gathered into new storage at every
     step), and what its bf16 engine gives (the matrix in bf16): one capture, read through a copy of the
     matrix; every step's rotation equals the eager path's bit for bit, its gradient to rounding."""
     rotate = _rotation("cuda", hidden=2048)
     orthogonal, X = _parts(rotate)
     X.data = X.data.to(dtype)
-    X.ds_id = 0
-    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
     captures = []
     capture = graphed._Graphs.capture
     monkeypatch.setattr(graphed._Graphs, "capture", lambda graphs, *args: captures.append(capture(graphs, *args)))
     grad_bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the same float32 gradient, rounded
-    for step in range(4):
+    for step in range(6):
         X.data = X.data.clone()  # a new storage, as each gather gives
         with torch.no_grad():
             X.data[step + 1, 0] += 0.01
         weight = rotate.weight
         _loss(weight.float()).backward()
-        assert graphed.graphs_of(orthogonal).staged, f"step {step}: not staged"
         assert weight.dtype == dtype
         X_eager = X.detach().clone().requires_grad_()
         expected = graphed._eager(orthogonal, X_eager.float()).to(dtype)  # the eager path (torch's for float32)
@@ -501,11 +545,13 @@ def test_a_matrix_gathered_into_new_storage_each_step_is_replayed(patched, monke
         error = _relative_error(X.grad.float(), X_eager.grad.float())
         assert X.grad.dtype == dtype and error < grad_bound, f"step {step}: gradient relative error {error:.2e}"
         X.grad = None
+    graphs = graphed.graphs_of(orthogonal)
+    assert graphs.staged and graphs.forward_graph is not None, "not replayed through a copy"
     assert len(captures) == 1
 
 
 @pytest.mark.gpus(1)
-def test_a_staged_step_is_two_graph_launches_and_five_copies(patched):
+def test_a_staged_step_is_two_graph_launches(patched):
     rotate = _rotation("cuda", hidden=256)
     X = _parts(rotate)[1]
     X.ds_id = 0
