@@ -224,7 +224,7 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
         if graphs is None or graphs.settings != settings or not (graphs.staged or graphs.storage == storage):
             # A matrix in new storage at consecutive calls (a ZeRO-3 gather) is read through a copy from then on.
             moved = graphs is not None and graphs.settings == settings and not graphs.staged
-            moves = (graphs.moves if graphs.calls <= 1 else 0) + 1 if moved else 0
+            moves = ((graphs.moves if graphs.calls <= 1 else 0) + 1) if moved else 0
             staged = staged or moves >= STAGED_AFTER_MOVES
             graphs = state.graphs[orthogonal] = _Graphs(settings, storage, staged, moves)
         graphs.calls += 1
@@ -290,7 +290,7 @@ class _Graphs:
         self.staged = staged  # the graphs read self.X, a float32 copy of the matrix, instead of its storage
         self.moves = moves  # calls in a row, this one included, at which the matrix came in new storage
         self.calls = 0
-        self.failed = False  # a capture failed for this key: eager from then on
+        self.failed = False  # a capture failed for these settings (and storage): eager from then on
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.backward_graph: torch.cuda.CUDAGraph | None = None
         self.holder: _Staging | None = None  # staged: the forward whose matrix self.X holds

@@ -276,7 +276,7 @@ def test_replays_follow_optimizer_updates_with_torchs_results(monkeypatch):
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("staged", [False, True], ids=["in place", "staged"])
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
 def test_a_step_is_two_graph_launches(patched, staged):
     rotate = _rotation("cuda", hidden=256)
     if staged:
