@@ -1,35 +1,198 @@
-"""Draw the benchmark rows as PNG: throughput and peak memory per strategy, and ReFT's overhead.
+"""Draw every figure in docs/figures from the rows in benchmarks/results, each stamped with the rows it plots.
 
-    python benchmarks/plot.py benchmarks/results/scaling.jsonl benchmarks/results/overhead.jsonl --out docs/figures
-    python benchmarks/plot.py benchmarks/results/compiled-1xH200.jsonl --ratios compiled --goal 1.03 --out docs/figures
+    python benchmarks/plot.py                                   # FIGURES, from benchmarks/results into docs/figures
+    python benchmarks/plot.py --results DIR --out DIR
+
+Which rows: each figure draws one results file (``FIGURES`` names it). Its newest rows are those of the newest
+commit in the file, the commit of the row with the latest ``time``; where several runs measured that commit,
+each run is drawn and labelled with its run id. A history figure (``overhead-runs.png``) draws every run in the
+file, oldest first. Rows in ``results/archive/`` (no commit recorded) are never drawn: a figure whose file has
+no rows is not drawn, and an old copy of it in the output folder is removed rather than left stale.
+
+Each PNG says which rows it plots: in a caption under the plot (the file, and per run its commit, date,
+machine and rounds), and in its PNG text chunks, which ``tests/docs/test_figures.py`` reads: ``Source`` (the
+results file, relative to the repository), ``Commit`` (the newest commit drawn), ``Commits``, ``Runs`` and
+``Dates`` (every one drawn, comma-separated, oldest first).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import textwrap
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def read(paths):
-    rows = []
-    for path in paths:
-        rows += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return rows
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def latest(rows):
-    """The newest row of each configuration (rows differing only in timings and time are reruns)."""
-    measured = {"time", "p20_ms", "p50_ms", "p80_ms", "host_p50_ms", "window_ms_per_step", "tokens_per_s",
-                "peak_memory_gib", "parameter_gib", "versions", "zero_optimization", "commit", "gpu", "median_ms",
-                "spread", "steps_timed", "round_medians_ms", "ratio", "ratio_rounds", "ratio_median", "ratio_min",
-                "ratio_max", "host_minus_baseline_ms", "ms_per_token", "compile_s", "graph_breaks", "break_reasons",
-                "graphs_compiled", "graphs_compiled_while_timing", "differs_from_bare", "same_as_stock"}
-    newest = {}
-    for row in sorted(rows, key=lambda r: r.get("time", "")):
-        newest[json.dumps({k: v for k, v in row.items() if k not in measured}, sort_keys=True)] = row
-    return list(newest.values())
+def newest(rows: list[dict]) -> list[dict]:
+    """The rows of the newest commit: the commit of the row with the latest ``time`` (rows of every run at it)."""
+    commit = max(rows, key=lambda row: row["time"])["commit"]
+    return [row for row in rows if row["commit"] == commit]
+
+
+def by_run(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows grouped by run id, runs oldest first (by their first row's time)."""
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for row in sorted(rows, key=lambda row: row["time"]):
+        runs[row["run_id"]].append(row)
+    return dict(runs)
+
+
+def stamp(rows: list[dict], source: str) -> tuple[str, dict[str, str]]:
+    """The caption and the PNG text chunks that say which rows a figure plots."""
+    runs = by_run(rows)
+    firsts = [run[0] for run in runs.values()]
+    lines = [f"rows: {source}"] + [
+        f"commit {row['commit']}, {row['time'][:16].replace('T', ' ')} UTC, {row['machine']}, run {run_id}"
+        + (f", {row['rounds']} rounds" if row.get("rounds") else "")
+        for run_id, row in zip(runs, firsts)]
+    commits = list(dict.fromkeys(row["commit"] for row in firsts))
+    metadata = {"Source": source, "Commit": firsts[-1]["commit"], "Commits": ", ".join(commits),
+                "Runs": ", ".join(runs), "Dates": ", ".join(dict.fromkeys(row["time"][:10] for row in firsts))}
+    return "\n".join(lines), metadata
+
+
+def draw_ratios(plt, rows: list[dict], goal: float | None, title: str):
+    """Each row's ratio to its baseline (named on its label): the ratio of the medians (o) and the median of
+    the rounds' ratios (x), bars from the smallest to the largest round's ratio."""
+    compared = [row for row in rows if row.get("baseline") and row.get("ratio") is not None]
+    several = len(by_run(rows)) > 1
+    figure, axis = plt.subplots(figsize=(8, 0.55 * len(compared) + 2.2))
+    labels = []
+    for y, row in enumerate(compared):
+        value = row["ratio"]
+        low, high = row.get("ratio_min", value), row.get("ratio_max", value)
+        axis.errorbar([value], [y], xerr=[[value - low], [high - value]], marker="o", color="C0", capsize=3,
+                      label="ratio of medians (bars: rounds' min-max)" if y == 0 else None)
+        if row.get("ratio_median") is not None:
+            axis.plot([row["ratio_median"]], [y], marker="x", color="C1", linestyle="",
+                      label="median of the rounds' ratios" if y == 0 else None)
+        shape = f"{row.get('batch')}x{row.get('seq_len')}" if row.get("seq_len") else ""
+        shape += f" +{row['new_tokens']} new" if row.get("new_tokens") else ""
+        labels.append(f"{row['provider']} {row.get('measure', '')} {row.get('strategy', '')} {shape}"
+                      f"\n/ {row['baseline']}" + (f"  (run {row['run_id']})" if several else ""))
+    axis.axvline(1.0, color="grey", linewidth=0.8)
+    if goal:
+        axis.axvline(goal, color="red", linewidth=0.8, linestyle="--", label=f"goal {goal}")
+    axis.set_yticks(range(len(compared)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set(xlabel="x baseline", title=title)
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.6 / figure.get_figheight()), ncol=3, fontsize=7)
+    return figure
+
+
+#: What each overhead measurement is compared with: (provider, measure).
+REFERENCES = {"train": ("peft-lora", "train"), "forward": ("bare", "forward")}
+
+
+def _reference(run: list[dict], measure: str) -> dict | None:
+    provider, measure = REFERENCES[measure]
+    return next((row for row in run if (row["provider"], row["measure"]) == (provider, measure)), None)
+
+
+def draw_overhead(plt, rows: list[dict], goal: float | None, title: str):
+    """The newest run's steps in ms (median, bars p20-p80), each ReFT bar annotated with its ratio."""
+    run = list(by_run(rows).values())[-1]
+    figure, axis = plt.subplots(figsize=(8, 4.2))
+    labels = ["\n".join(textwrap.wrap(row["provider"], 14, break_on_hyphens=True)) + f"\n{row['measure']}"
+              + (f" ({row['locations']})" if row.get("locations") else "") for row in run]
+    medians = [row["median_ms"] for row in run]
+    bars = axis.bar(labels, medians, yerr=[[m - r["p20_ms"] for m, r in zip(medians, run)],
+                                           [r["p80_ms"] - m for m, r in zip(medians, run)]], capsize=3)
+    for bar, row in zip(bars, run):
+        base = _reference(run, row["measure"])
+        if base is not None and base is not row:
+            axis.annotate(f"{row['median_ms'] / base['median_ms']:.3f}x\n{base['provider']}",
+                          (bar.get_x() + bar.get_width() / 2, row["p80_ms"]), ha="center", va="bottom", fontsize=7)
+    axis.set_ylim(top=1.15 * max(row["p80_ms"] for row in run))
+    axis.set(ylabel="ms (median; bars p20-p80)",
+             title=title)
+    axis.tick_params(axis="x", labelsize=7)
+    return figure
+
+
+def draw_overhead_runs(plt, rows: list[dict], goal: float | None, title: str):
+    """Every run's ReFT / LoRA (training) and ReFT / bare (forward), oldest first, bars the rounds' min-max."""
+    runs = list(by_run(rows).values())
+    figure, axis = plt.subplots(figsize=(8, 4.2))
+    series = (("pyvene_dist", "train", 1.03, "o"), ("pyvene_dist", "forward", 1.05, "s"),
+              ("pyvene_dist-eager-rotation", "train", None, "x"))  # the last: without the rotation's graphs
+    for offset, (provider, measure, line_goal, marker) in zip((-0.08, 0.0, 0.08), series):
+        points = [(x + offset, row) for x, run in enumerate(runs) for row in run
+                  if (row["provider"], row["measure"]) == (provider, measure) and row.get("baseline")]
+        if not points:
+            continue
+        xs, measured = zip(*points)
+        ys = [row["ratio"] for row in measured]
+        spread = [[y - r.get("ratio_min", y) for y, r in zip(ys, measured)],
+                  [r.get("ratio_max", y) - y for y, r in zip(ys, measured)]]
+        line = axis.errorbar(xs, ys, yerr=spread, marker=marker, linestyle="", capsize=3,
+                             label=f"{provider} {measure} / {measured[0]['baseline']}")[0]
+        if line_goal is not None:
+            axis.axhline(line_goal, color=line.get_color(), linewidth=0.8, linestyle="--")
+    axis.set_xticks(range(len(runs)), [f"{run[0]['commit']}\n{run[0]['time'][:10]}" for run in runs], fontsize=7)
+    axis.set(xlabel="run (oldest first)", ylabel="x reference (ratio of medians; bars: rounds' min-max)",
+             title=title)
+    axis.legend(loc="upper right", fontsize=7)
+    return figure
+
+
+def draw_scaling(plt, rows: list[dict], goal: float | None, title: str):
+    """Tokens/s over world sizes per strategy and per-GPU batch (bars: p20-p80 of step times), DDP's ideal."""
+    figure, axis = plt.subplots(figsize=(8, 4.2))
+    lines = defaultdict(list)
+    for row in rows:
+        if "tokens_per_s" in row and "measure" not in row:
+            lines[(row["strategy"], row["batch"], row["seq_len"])].append(row)
+    for (strategy, batch, seq_len), runs in sorted(lines.items()):
+        runs.sort(key=lambda r: r["world_size"])
+        sizes, rates = [r["world_size"] for r in runs], [r["tokens_per_s"] for r in runs]
+        low = [r["tokens_per_s"] * (1 - r["p50_ms"] / r["p80_ms"]) for r in runs]
+        high = [r["tokens_per_s"] * (r["p50_ms"] / r["p20_ms"] - 1) for r in runs]
+        line = axis.errorbar(sizes, rates, yerr=[low, high], marker="o", capsize=3,
+                             label=f"{strategy} {batch}x{seq_len}")[0]
+        if strategy == "ddp" and sizes[0] == 1:  # what perfect scaling of the one-GPU run would give
+            axis.plot(sizes, [rates[0] * size for size in sizes], linestyle=":", color=line.get_color())
+    axis.set(xlabel="GPUs", ylabel="tokens/s", title=title)
+    axis.set_xticks(sorted({r["world_size"] for runs in lines.values() for r in runs}))
+    axis.legend(fontsize=7)
+    return figure
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    name: str  # the PNG in the output folder
+    results: str  # the rows it draws, a file in the results folder
+    draw: Callable
+    title: str
+    goal: float | None = None
+    history: bool = False  # every run in the file, not only the newest commit's
+
+
+FIGURES = (
+    Figure("overhead.png", "overhead-1xH200.jsonl", draw_overhead,
+           "ReFT against the bare model (forward) and LoRA (training), one GPU"),
+    Figure("overhead-runs.png", "overhead-1xH200.jsonl", draw_overhead_runs,
+           "ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals", history=True),
+    Figure("ratios-compiled.png", "compiled-1xH200.jsonl", draw_ratios, "torch.compile: ReFT over LoRA", goal=1.03),
+    Figure("ratios-sharded.png", "sharded-1xH200.jsonl", draw_ratios, "FSDP2 and ZeRO-3 at world size 1: ReFT "
+           "over LoRA", goal=1.03),
+    Figure("ratios-large-7b.png", "large-7b-1xH200.jsonl", draw_ratios, "7B-class, checkpointing: ReFT over LoRA "
+           "and the bare model", goal=1.02),
+    Figure("ratios-generation.png", "generation-1xH200.jsonl", draw_ratios, "every-token generation: time per "
+           "token over the bare model's", goal=1.10),
+    # `bash benchmarks/run_h200.sh ddp-scaling ddp-scaling-32` on 2 GPUs; none at a recorded commit yet
+    Figure("ddp-scaling.png", "ddp-scaling-2xH200.jsonl", draw_scaling,
+           "ReFT training throughput (dotted: DDP's ideal)"),
+)
 
 
 def main(argv=None) -> int:
@@ -37,174 +200,34 @@ def main(argv=None) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("jsonl", nargs="+")
-    parser.add_argument("--out", default="docs/figures")
-    parser.add_argument("--checkpointing", default="none", help="the scaling rows to draw")
-    parser.add_argument("--ratios", metavar="NAME", help="also draw ratios-NAME.png: every row's ratio to its "
-                        "baseline (the rows of compiled.py, sharded.py, generation.py, overhead.py)")
-    parser.add_argument("--goal", type=float, help="the goal line on the ratios figure")
-    parser.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
-                        help="keep rows whose KEY prints as VALUE (e.g. hidden=None); repeatable")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "figures")
     options = parser.parse_args(argv)
-    every = read(options.jsonl)
-    for condition in options.only:
-        key, _, value = condition.partition("=")
-        every = [row for row in every if str(row.get(key)) == value]
-    rows = latest(every)
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    scaling = [r for r in rows if "measure" not in r and "tokens_per_s" in r
-               and r.get("checkpointing", "none") == options.checkpointing]
-    if scaling:
-        figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
-        by_strategy = defaultdict(list)
-        for row in scaling:
-            by_strategy[row["strategy"]].append(row)
-        for strategy, runs in sorted(by_strategy.items()):
-            runs.sort(key=lambda r: r["world_size"])
-            sizes, rates = [r["world_size"] for r in runs], [r["tokens_per_s"] for r in runs]
-            line = throughput.errorbar(sizes, rates, yerr=_throughput_spread(runs), marker="o", capsize=3,
-                                       label=strategy)[0]
-            if strategy == "ddp" and sizes[0] == 1:  # what perfect scaling of the one-GPU run would give
-                throughput.plot(sizes, [rates[0] * size for size in sizes], linestyle=":", color=line.get_color(),
-                                label="ddp, ideal (1 GPU x GPUs)")
-        throughput.set(xlabel="GPUs", ylabel="tokens/s",
-                       title="ReFT training throughput (bars: p20-p80 of step times)")
-        throughput.xaxis.set_major_locator(MaxNLocator(integer=True))
-        throughput.legend()
-        widest = {s: max(runs, key=lambda r: r["world_size"]) for s, runs in by_strategy.items()}
-        names = sorted(widest)
-        memory.bar(names, [widest[s]["peak_memory_gib"] or 0 for s in names])
-        memory.set(ylabel="GiB", title=f"peak memory per GPU at {max(r['world_size'] for r in scaling)} GPUs")
-        figure.tight_layout()
-        figure.savefig(out / "scaling.png", dpi=120)
-
-    runs = overhead_runs(sorted((r for r in every if "locations" in r and r.get("model", DEFAULT_MODEL) == DEFAULT_MODEL),
-                                key=lambda r: r.get("time", "")))
-    if runs:
-        newest = runs[-1]
-        overhead = list(newest.values())
-        figure, axis = plt.subplots(figsize=(8, 4))
-        labels = [f"{_wrapped(r['provider'])}\n{r['measure']}" + (f" ({r['locations']})" if r.get("locations") else "")
-                  for r in overhead]
-        medians = [_median(r) for r in overhead]
-        bars = axis.bar(labels, medians, yerr=[[m - r["p20_ms"] for m, r in zip(medians, overhead)],
-                                               [r["p80_ms"] - m for m, r in zip(medians, overhead)]], capsize=3)
-        for bar, row in zip(bars, overhead):
-            base = _first(newest, *REFERENCES[row["measure"]])
-            if base is not None and base is not row:
-                axis.annotate(f"{_median(row) / _median(base):.3f}x\n{_short(base['provider'])}",
-                              (bar.get_x() + bar.get_width() / 2, row["p80_ms"]), ha="center", va="bottom", fontsize=7)
-        axis.set(ylabel="ms (median; bars p20-p80)",
-                 title="ReFT against the bare model (forward) and LoRA (training), one GPU")
-        axis.tick_params(axis="x", labelsize=7)
-        figure.tight_layout()
-        figure.savefig(out / "overhead.png", dpi=120)
-
-        figure, axis = plt.subplots(figsize=(8, 4))
-        series = (("pyvene_dist", "train", 1.03, "o"), ("pyvene_dist", "forward", 1.05, "s"),
-                  ("pyvene_dist-eager-rotation", "train", None, "x"))  # the last: without the rotation's graphs
-        for provider, measure, goal, marker in series:
-            pairs = [(i, _first(run, provider, measure), _first(run, *REFERENCES[measure]))
-                     for i, run in enumerate(runs)]
-            points = [(i, _median(row) / _median(base), row) for i, row, base in pairs if row and base]
-            if points:
-                xs, ys, measured = zip(*points)
-                spread = [[y - r.get("ratio_min", y) for y, r in zip(ys, measured)],
-                          [r.get("ratio_max", y) - y for y, r in zip(ys, measured)]]
-                line = axis.errorbar(xs, ys, yerr=spread, marker=marker, linestyle="", capsize=3,
-                                     label=f"{provider} {measure} / {REFERENCES[measure][0]}")[0]
-                if goal is not None:
-                    axis.axhline(goal, color=line.get_color(), linewidth=0.8, linestyle="--")
-        axis.set(xlabel="run (oldest first, from 0)", ylabel="x reference (median; bars: rounds' min-max)",
-                 title="ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals")
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.legend(loc="upper right")
-        figure.tight_layout()
-        figure.savefig(out / "overhead-runs.png", dpi=120)
-
-    if options.ratios:
-        compared = [r for r in rows if "baseline" in r]
-        if compared:
-            draw_ratios(plt, compared, out / f"ratios-{options.ratios}.png", options.goal)
+    options.out.mkdir(parents=True, exist_ok=True)
+    results = options.results.resolve()
+    for spec in FIGURES:
+        path, png = results / spec.results, options.out / spec.name
+        rows = read(path) if path.is_file() else []
+        if not rows:
+            if png.exists():
+                png.unlink()
+                print(f"{png}: removed, no rows in {path}")
+            continue
+        drawn = rows if spec.history else newest(rows)
+        source = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        caption, metadata = stamp(drawn, source)
+        figure = spec.draw(plt, drawn, spec.goal, spec.title)
+        height = figure.get_figheight()
+        caption_in = 0.16 * (caption.count("\n") + 1) + 0.1
+        figure.set_figheight(height + caption_in)
+        figure.tight_layout(rect=(0, caption_in / (height + caption_in), 1, 1))
+        figure.text(0.01, 0.01, caption, fontsize=6.5, family="monospace", va="bottom")
+        figure.savefig(png, dpi=120, metadata=metadata)
+        plt.close(figure)
+        print(f"{png}: {metadata['Source']}, commit {metadata['Commit']}, runs {metadata['Runs']}")
     return 0
-
-
-def draw_ratios(plt, rows, path, goal=None):
-    """Each row's ratio to its baseline (named on the label): the median of the round-by-round ratios, bars
-    from the smallest to the largest round; the ratio of medians where rounds were not recorded."""
-    figure, axis = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.5))
-    labels, values, low, high = [], [], [], []
-    for row in rows:
-        value = row.get("ratio_median", row["ratio"])
-        labels.append(f"{row['provider']} {row.get('measure', '')} {row.get('strategy', '')}"
-                      f" {row.get('batch')}x{row.get('seq_len')}\n/ {row['baseline']}")
-        values.append(value)
-        low.append(value - row.get("ratio_min", value))
-        high.append(row.get("ratio_max", value) - value)
-    axis.errorbar(values, range(len(rows)), xerr=[low, high], marker="o", linestyle="", capsize=3)
-    axis.axvline(1.0, color="grey", linewidth=0.8)
-    if goal:
-        axis.axvline(goal, color="red", linewidth=0.8, linestyle="--", label=f"goal {goal}")
-        axis.legend(loc="lower right")
-    axis.set_yticks(range(len(rows)), labels, fontsize=7)
-    axis.invert_yaxis()
-    axis.set(xlabel="x baseline (median of rounds; bars: min-max over rounds)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def _median(row):
-    return row.get("median_ms", row["p50_ms"])  # rows before benchmarks/common.py carry p50 only
-
-
-def _short(provider):
-    return {"peft-lora": "LoRA", "bare": "bare"}.get(provider, provider)
-
-
-def _throughput_spread(runs):
-    """The window's tokens/s spread as its step times spread: p20-p80 of the drained steps, scaled to it."""
-    low = [r["tokens_per_s"] * (1 - r["p50_ms"] / r["p80_ms"]) if r.get("p80_ms") else 0 for r in runs]
-    high = [r["tokens_per_s"] * (r["p50_ms"] / r["p20_ms"] - 1) if r.get("p20_ms") else 0 for r in runs]
-    return [low, high]
-
-
-#: overhead.py's default model: the runs drawn in overhead.png and overhead-runs.png (rows before the option
-#: carry no ``model``).
-DEFAULT_MODEL = "llama-3.2-1b"
-#: What each overhead measurement is compared with: (provider, measure).
-REFERENCES = {"train": ("peft-lora", "train"), "forward": ("bare", "forward")}
-
-
-def overhead_runs(rows):
-    """Overhead rows (oldest first) split into runs, each ``{(provider, measure, locations): row}``: a run
-    ends where such a key repeats."""
-    runs, current = [], {}
-    for row in rows:
-        key = (row["provider"], row["measure"], row.get("locations"))
-        if key in current:
-            runs.append(current)
-            current = {}
-        current[key] = row
-    if current:
-        runs.append(current)
-    return runs
-
-
-def _wrapped(name: str) -> str:
-    """A provider's name on lines of at most 14 characters, broken after hyphens."""
-    import textwrap
-
-    return "\n".join(textwrap.wrap(name, 14, break_on_hyphens=True))
-
-
-def _first(run, provider, measure):
-    """The run's first row of ``provider``'s ``measure`` (for a forward, the list-location one), or None."""
-    return next((row for (p, m, _), row in run.items() if (p, m) == (provider, measure)), None)
 
 
 if __name__ == "__main__":

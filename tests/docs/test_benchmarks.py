@@ -141,21 +141,6 @@ def _assert_provenance(rows):
     assert len({row["run_id"] for row in rows}) == 1, "the rows of one invocation carry one run id"
 
 
-def test_plot_draws_the_rows(tmp_path):
-    pytest.importorskip("matplotlib")
-    rows = tmp_path / "rows.jsonl"
-    scaling = [{"strategy": "ddp", "world_size": size, "checkpointing": "none", "tokens_per_s": 1.0 * size,
-                "peak_memory_gib": 1.0, "p20_ms": 9.0, "p50_ms": 10.0, "p80_ms": 12.0} for size in (1, 2)]
-    compared = [{"provider": "peft-lora", "measure": "train", "strategy": "fsdp2", "median_ms": 10.0},
-                {"provider": "pyvene_dist", "measure": "train", "strategy": "fsdp2", "median_ms": 10.2,
-                 "baseline": "peft-lora", "ratio": 1.02, "ratio_median": 1.02, "ratio_min": 0.99, "ratio_max": 1.05}]
-    rows.write_text("".join(json.dumps(row) + "\n" for row in scaling + compared))
-    subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), str(rows), "--out", str(tmp_path / "figures"),
-                    "--ratios", "sharded", "--goal", "1.03"], check=True, timeout=120)
-    assert (tmp_path / "figures" / "scaling.png").stat().st_size > 0
-    assert (tmp_path / "figures" / "ratios-sharded.png").stat().st_size > 0
-
-
 def test_start_up_times_spawned_and_forked_worlds(tmp_path):
     out = tmp_path / "start.jsonl"
     subprocess.run([sys.executable, str(BENCHMARKS / "start_up.py"), "--world-size", "1", "--rounds", "1",
