@@ -7,9 +7,10 @@ try the examples on. All exit 2 on a usage mistake (unknown strategy, missing mo
 devices, layers outside the model), reported as one line.
 
 The flags are those of docs/examples/train_reft.py and serve_reft.py: dtypes by their torch names
-(``float32``, ``bfloat16``, ``float16``), layers as ``2,8``, and multi-word flags with ``-`` or ``_``
+(``float32``, ``bfloat16``, ``float16``; ``check`` takes those it has a parity bound for, ``check.DTYPES``),
+layers as ``2,8``, and multi-word flags with ``-`` or ``_``
 (``--seq-len`` or ``--seq_len``, as HF's argument parser takes both). The older spellings
-(``--dtype bf16``, ``--layers '2;8'``) still work, with a one-line note on stderr.
+(``--dtype bf16``, ``--layers '2;8'``) still work, with a one-line note on stderr (``pyvene_dist.flags``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+
+from .flags import DTYPES, deprecated, dtype_name
 
 
 def _sizes(text: str) -> list[int]:
@@ -42,25 +45,9 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-#: The torch names, as train_reft.py's ``--dtype``; the short names plan took before still work.
-DTYPES = ("float32", "bfloat16", "float16")
-OLD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _deprecated(old: str, new: str) -> None:
-    print(f"pyvene-dist: {old} is deprecated and will stop working; write {new}", file=sys.stderr)
-
-
-def _dtype(text: str) -> str:
-    if text in OLD_DTYPES:
-        _deprecated(f"--dtype {text}", f"--dtype {OLD_DTYPES[text]}")
-        return OLD_DTYPES[text]
-    return text
-
-
 def _layers(text: str) -> tuple[int, ...]:
     if ";" in text:  # train_reft.py's old separator, pyreft's examples' one
-        _deprecated(f"--layers {text!r}", f"--layers {text.replace(';', ',')}")
+        deprecated(f"--layers {text!r}", f"--layers {text.replace(';', ',')}")
         text = text.replace(";", ",")
     try:
         layers = tuple(int(part) for part in text.split(","))
@@ -81,6 +68,7 @@ def _gib(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     from .check import CHECKED
+    from .check import DTYPES as CHECK_DTYPES
     from .testing.models import BASE_MODELS
 
     root = argparse.ArgumentParser(prog="pyvene-dist", description=__doc__,
@@ -100,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--world-sizes", "--world_sizes", type=_sizes,
                        help="comma-separated ranks per run (default: 2, or 1 on a one-GPU machine); at most one "
                             "rank per GPU, or per CPU core without GPUs")
-    check.add_argument("--dtype", type=_dtype, choices=DTYPES[:2], default="float32")
+    check.add_argument("--dtype", type=dtype_name, choices=CHECK_DTYPES, default="float32")
     check.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
     check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
 
@@ -117,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=_positive, default=1, help="sequences per GPU (default: 1)")
     plan.add_argument("--seq-len", "--seq_len", type=_positive, default=512,
                       help="tokens per sequence (default: 512)")
-    plan.add_argument("--dtype", type=_dtype, choices=DTYPES, default="bfloat16")
+    plan.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="bfloat16")
     plan.add_argument("--rank", type=_positive, default=4, help="LoReFT rank (default: 4)")
     plan.add_argument("--layers", type=_layers,
                       help="comma-separated decoder layers with an intervention, e.g. 2,8 (default: the first and "

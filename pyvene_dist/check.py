@@ -1,8 +1,9 @@
 """``pyvene-dist check``: does ReFT training under each strategy give the result of one device, here?
 
 Train the case once on one device in this process (the reference row), then under every strategy and
-world size this machine can run, each in a world of freshly spawned processes; compare every run with
-the reference and print a table.
+world size this machine can run, each in a world of processes of its own (forked from a server that imported
+torch, transformers and pyvene once: ``testing._preloaded``); compare every run with the reference and print
+a table.
 
 A rank is a process with one device: a GPU where there are GPUs (nccl), else a gloo process on the
 CPU. On CPU, ``check`` runs at most as many ranks as this process may use CPU cores (2 on a one-core
@@ -25,9 +26,13 @@ from typing import Iterable
 
 import torch
 
-from .testing import STRATEGIES, Record, Strategy, assert_parity, differences, spawn, tolerance, train
+from .testing import STRATEGIES, TOLERANCES, Record, Strategy, assert_parity, differences, spawn, tolerance, train
 from .testing.check_runs import CheckCase
 from .testing.models import REFT_INSTALL
+
+#: The dtypes ``check`` compares in (``--dtype``): those the parity harness has a measured bound for. float16
+#: has none, and DeepSpeed would train it with a dynamic loss scale that one device does not have.
+DTYPES = tuple(str(dtype).removeprefix("torch.") for dtype in TOLERANCES)
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported as one line, exit code 2."""

@@ -9,6 +9,7 @@ override them (``--model`` when the model moved); for interventions saved by ano
 """
 
 import argparse
+import functools
 import json
 import os
 
@@ -20,6 +21,7 @@ pyvene_dist.patch()
 
 import pyreft  # noqa: E402
 import transformers  # noqa: E402
+from pyvene_dist import flags  # noqa: E402
 
 #: Written by train_reft.py beside the interventions.
 SETTINGS = "train_settings.json"
@@ -71,7 +73,7 @@ def answer(reft_model, tokenizer, prompt, positions, share_weights, max_new_toke
             "text": tokenizer.decode(generated[0], skip_special_tokens=True)}
 
 
-def main():
+def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interventions", required=True, help="the folder train_reft.py (ReftModel.save) wrote")
     parser.add_argument("--prompt", required=True)
@@ -79,11 +81,16 @@ def main():
     parser.add_argument("--positions", help=f"as in training, e.g. f1+l1 (default: from {SETTINGS}, else l1)")
     parser.add_argument("--share_weights", "--share-weights", action="store_true", default=None,
                         help=f"the first and last positions share one intervention (default: from {SETTINGS})")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help=f"the model's dtype in training (default: from {SETTINGS}, else float32)")
+    parser.add_argument("--dtype", type=functools.partial(flags.dtype_name, program="serve_reft.py"),
+                        choices=flags.DTYPES, help=f"the model's dtype in training, a torch name (default: from "
+                                                   f"{SETTINGS}, else float32)")
     parser.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=16)
     parser.add_argument("--out", help="save the logits, token ids and text here (torch.save)")
-    options = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    options = parse_arguments()
     found = settings(options.interventions, model=options.model, positions=options.positions,
                      share_weights=options.share_weights, dtype=options.dtype)
     tokenizer, reft_model = load(found["model"], options.interventions, found["dtype"])

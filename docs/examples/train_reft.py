@@ -29,6 +29,7 @@ pyvene_dist.patch()  # before pyreft builds the model
 
 import pyreft  # noqa: E402
 import transformers  # noqa: E402
+from pyvene_dist import flags  # noqa: E402
 from pyvene_dist.gather import gathered  # noqa: E402
 from serve_reft import SETTINGS, answer  # noqa: E402  (this folder)
 
@@ -61,6 +62,7 @@ def parse_arguments(argv=None):
     reft_args, training_args = parser.parse_args_into_dataclasses(argv)
     if not hasattr(pyreft, reft_args.intervention):
         parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
+    reft_args.dtype = flags.dtype_name(reft_args.dtype, program="train_reft.py")  # bf16, as before, still works
     if not isinstance(getattr(torch, reft_args.dtype, None), torch.dtype):
         parser.error(f"--dtype {reft_args.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
     if ";" in reft_args.layers:  # the separator of pyreft's examples, and of this script before
