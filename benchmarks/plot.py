@@ -5,9 +5,10 @@
 
 Which rows: each figure draws one results file (``FIGURES`` names it). Its newest rows are those of the newest
 commit in the file, the commit of the row with the latest ``time``; where several runs measured that commit,
-each run is drawn and labelled with its run id. A history figure (``overhead-runs.png``) draws every run in the
-file, oldest first. Rows in ``results/archive/`` (no commit recorded) are never drawn: a figure whose file has
-no rows is not drawn, and an old copy of it in the output folder is removed rather than left stale.
+each run is drawn and labelled with its run id. ``overhead.png`` draws the newest of those runs alone, and
+``overhead-runs.png`` every run in the file, oldest first. Rows in ``results/archive/`` (no commit recorded) are
+never drawn: a figure whose file has no rows is not drawn, and an old copy of it in the output folder is
+removed rather than left stale.
 
 Each PNG says which rows it plots: in a caption under the plot (the file, and per run its commit, date,
 machine and rounds), and in its PNG text chunks, which ``tests/docs/test_figures.py`` reads: ``Source`` (the
@@ -36,6 +37,15 @@ def newest(rows: list[dict]) -> list[dict]:
     """The rows of the newest commit: the commit of the row with the latest ``time`` (rows of every run at it)."""
     commit = max(rows, key=lambda row: row["time"])["commit"]
     return [row for row in rows if row["commit"] == commit]
+
+
+def newest_run(rows: list[dict]) -> list[dict]:
+    """The rows of the newest run at the newest commit."""
+    return list(by_run(newest(rows)).values())[-1]
+
+
+def every(rows: list[dict]) -> list[dict]:
+    return rows
 
 
 def by_run(rows: list[dict]) -> dict[str, list[dict]]:
@@ -99,8 +109,8 @@ def _reference(run: list[dict], measure: str) -> dict | None:
 
 
 def draw_overhead(plt, rows: list[dict], goal: float | None, title: str):
-    """The newest run's steps in ms (median, bars p20-p80), each ReFT bar annotated with its ratio."""
-    run = list(by_run(rows).values())[-1]
+    """One run's steps in ms (median, bars p20-p80), each ReFT bar annotated with its ratio."""
+    (run,) = by_run(rows).values()
     figure, axis = plt.subplots(figsize=(8, 4.2))
     labels = ["\n".join(textwrap.wrap(row["provider"], 14, break_on_hyphens=True)) + f"\n{row['measure']}"
               + (f" ({row['locations']})" if row.get("locations") else "") for row in run]
@@ -174,14 +184,14 @@ class Figure:
     draw: Callable
     title: str
     goal: float | None = None
-    history: bool = False  # every run in the file, not only the newest commit's
+    select: Callable[[list[dict]], list[dict]] = newest  # which of the file's rows it draws
 
 
 FIGURES = (
     Figure("overhead.png", "overhead-1xH200.jsonl", draw_overhead,
-           "ReFT against the bare model (forward) and LoRA (training), one GPU"),
+           "ReFT against the bare model (forward) and LoRA (training), one GPU", select=newest_run),
     Figure("overhead-runs.png", "overhead-1xH200.jsonl", draw_overhead_runs,
-           "ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals", history=True),
+           "ReFT / LoRA (training) and ReFT / bare (forward) per run; dashed: the goals", select=every),
     Figure("ratios-compiled.png", "compiled-1xH200.jsonl", draw_ratios, "torch.compile: ReFT over LoRA", goal=1.03),
     Figure("ratios-sharded.png", "sharded-1xH200.jsonl", draw_ratios, "FSDP2 and ZeRO-3 at world size 1: ReFT "
            "over LoRA", goal=1.03),
@@ -215,7 +225,7 @@ def main(argv=None) -> int:
                 png.unlink()
                 print(f"{png}: removed, no rows in {path}")
             continue
-        drawn = rows if spec.history else newest(rows)
+        drawn = spec.select(rows)
         source = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         caption, metadata = stamp(drawn, source)
         figure = spec.draw(plt, drawn, spec.goal, spec.title)
