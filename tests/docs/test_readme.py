@@ -63,35 +63,59 @@ def test_the_readme_example_trains_saves_and_reloads_on_cpu(tmp_path):
     assert answers and answers[0].startswith(" What colour is snow?"), outputs[-1]
 
 
-def readme_tested_on_column(text: str) -> list[str]:
-    """The "tested on" cells of the README's table of strategies."""
+def readme_table(text: str) -> list[dict[str, str]]:
+    """The rows of the README's table of strategies, each as {column: cell}."""
     lines = text[text.index("## What works"):].splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| strategy |"))
-    column = [cell.strip() for cell in lines[header].strip("|").split("|")].index("tested on")
-    cells = []
+    columns = [cell.strip() for cell in lines[header].strip("|").split("|")]
+    rows = []
     for line in lines[header + 2:]:
         if not line.startswith("|"):
             break
-        cells.append([cell.strip() for cell in line.strip("|").split("|")][column])
-    return cells
+        rows.append(dict(zip(columns, (cell.strip() for cell in line.strip("|").split("|")))))
+    return rows
 
 
-GPU_RUN = re.compile(r"(\d+) x H200, (\d{4}-\d\d-\d\d) \(([0-9a-f]{7,})\)")
+def readme_tested_on_column(text: str) -> list[str]:
+    """The "tested on" cells of the README's table of strategies."""
+    return [row["tested on"] for row in readme_table(text)]
+
+
+GPU_TESTS = ROOT / "benchmarks" / "results" / "gpu-tests"
+#: A GPU claim naming its stored run, with what failed in it where something did: "1 x H200, 2026-12-03 (a26192c)",
+#: "1 x H200, 2026-12-03 (a26192c, 5 of 40 failed: ...)".
+GPU_RUN = re.compile(r"(\d+) x H200, (\d{4}-\d\d-\d\d) \(([0-9a-f]{7,})(?:, (\d+) of (\d+) failed[^)]*)?\)")
 NO_LOG = re.compile(r"\d+ x H200 before \d{4}-\d\d, no log kept")
 
 
-def gpu_claims_without_a_log(text: str) -> list[str]:
+def junit_counts(path: Path) -> tuple[int, int]:
+    """(failed, tests) of a JUnit file: failures and errors, over every test suite in it."""
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    return (sum(int(suite.get("failures", 0)) + int(suite.get("errors", 0)) for suite in suites),
+            sum(int(suite.get("tests", 0)) for suite in suites))
+
+
+def gpu_claims_without_a_log(text: str, runs: Path = GPU_TESTS) -> list[str]:
     """Each GPU claim of the "tested on" column that names no stored run (gpu-tests/<date>-<commit>/ with its
-    JUnit file) and does not say that none was kept."""
+    JUnit file) and does not say that none was kept, or whose run had failures the claim does not state."""
     problems = []
     for cell in readme_tested_on_column(text):
         for claim in re.findall(r"\d+ x H200[^;|]*", cell):
-            run = GPU_RUN.fullmatch(claim.strip())
-            if run and (ROOT / "benchmarks/results/gpu-tests" / f"{run[2]}-{run[3]}" / "junit.xml").is_file():
+            claim = claim.strip()
+            run = GPU_RUN.fullmatch(claim)
+            junit = runs / f"{run[2]}-{run[3]}" / "junit.xml" if run else None
+            if run and junit.is_file():
+                failed, tests = junit_counts(junit)
+                stated = (int(run[4]), int(run[5])) if run[4] else (0, tests)
+                if stated != (failed, tests):
+                    problems.append(f"{claim} (its run: {failed} of {tests} failed)")
                 continue
-            if not run and NO_LOG.fullmatch(claim.strip()):
+            if not run and NO_LOG.fullmatch(claim):
                 continue
-            problems.append(claim.strip())
+            problems.append(claim)
     return problems
 
 
@@ -100,3 +124,67 @@ def test_each_gpu_claim_names_its_stored_run_or_says_none_was_kept():
     planted = "## What works\n| strategy | launch | tested on | docs |\n| --- | --- | --- | --- |\n" \
               "| DDP | x | CPU (CI); 2 x H200 | d |\n| FSDP | x | 1 x H200, 2026-12-03 (0000000) | d |\n"
     assert gpu_claims_without_a_log(planted) == ["2 x H200", "1 x H200, 2026-12-03 (0000000)"]
+
+
+def test_a_claim_whose_run_failed_must_say_so(tmp_path):
+    """The README of b0b1170 cited a26192c's run (5 of 40 failed) as "1 x H200, 2026-12-03 (a26192c)"."""
+    run = tmp_path / "2026-12-03-1234567"
+    run.mkdir()
+    (run / "junit.xml").write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" '
+        'skipped="0" tests="3"><testcase name="a"/><testcase name="b"><failure message="x"/></testcase>'
+        '<testcase name="c"><error message="y"/></testcase></testsuite></testsuites>')
+    table = "## What works\n| strategy | launch | tested on | docs |\n| --- | --- | --- | --- |\n| DDP | x | {} | d |\n"
+    assert gpu_claims_without_a_log(table.format("1 x H200, 2026-12-03 (1234567)"), tmp_path) == [
+        "1 x H200, 2026-12-03 (1234567) (its run: 2 of 3 failed)"]
+    assert gpu_claims_without_a_log(table.format("1 x H200, 2026-12-03 (1234567, 1 of 3 failed)"), tmp_path) != []
+    assert gpu_claims_without_a_log(table.format("1 x H200, 2026-12-03 (1234567, 2 of 3 failed: see why)"),
+                                    tmp_path) == []
+    (run / "junit.xml").write_text('<testsuites><testsuite failures="0" errors="0" tests="3"/></testsuites>')
+    assert gpu_claims_without_a_log(table.format("1 x H200, 2026-12-03 (1234567)"), tmp_path) == []
+
+
+def _paragraph(text: str, opening: str) -> str:
+    """The paragraph of ``text`` that starts with ``opening``, its lines joined."""
+    start = text.index(opening)
+    return " ".join(text[start:text.find("\n\n", start)].split())
+
+
+def _rows(name: str) -> list[dict]:
+    path = ROOT / "benchmarks" / "results" / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+#: What the README quotes from the newest row of a results file: (file, words the row has, the paragraph's opening,
+#: what the paragraph must say, formatted with the row's fields and ``minutes``, its seconds / 60).
+QUOTED_ROWS = [
+    ("suite-time-cpu.jsonl", "from a clean clone", "The tests took",
+     ("{minutes:.1f} minutes", "{seconds:,.0f} s", "at {commit:.7}", "{outcome}")),
+    ("try-it-cpu.jsonl", "readme_try_it_cpu", "**Try it on CPU**", ("{median_s:.0f} s", "{runs} runs")),
+]
+
+
+@pytest.mark.parametrize("name, words, opening, quoted", QUOTED_ROWS, ids=[case[0] for case in QUOTED_ROWS])
+def test_the_readme_quotes_the_newest_row(name, words, opening, quoted):
+    """The README of b0b1170 quoted the suite at 92a399e (1,234 s) after the run at 6a5a54e (1,708 s) was stored,
+    and its "about two minutes" to try it on CPU had no row."""
+    rows = [row for row in _rows(name) if words in json.dumps(row)]
+    assert rows, f"benchmarks/results/{name} has no row with {words!r}"
+    newest = max(enumerate(rows), key=lambda found: (found[1]["date"], found[0]))[1]
+    paragraph = _paragraph((ROOT / "README.md").read_text(), opening)
+    seconds = newest.get("seconds")
+    expected = [text.format(**newest, minutes=seconds / 60 if isinstance(seconds, (int, float)) else None)
+                for text in quoted]
+    missing = [text for text in expected if text not in paragraph]
+    assert not missing, f"README.md's paragraph {opening!r} does not quote the newest row of {name}: {missing}"
+
+
+def test_the_readme_names_the_traps_the_quickstart_names():
+    """Where the Quickstart's line-by-line table says a line stays "unchanged, except `...`", the README's "the
+    rest of the script stays as it is" names the exception too (b0b1170's omitted `device_map="cuda"`)."""
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    traps = re.findall(r"unchanged, except (`[^`]+`)", quickstart)
+    assert traps, "docs/quickstart.md names no 'unchanged, except `...`' any more: update this test"
+    paragraph = _paragraph((ROOT / "README.md").read_text(), "**Your pyreft script on several GPUs.**")
+    missing = [trap for trap in traps if trap not in paragraph]
+    assert not missing, f"README.md says the rest of the script stays as it is, without the exceptions {missing}"
