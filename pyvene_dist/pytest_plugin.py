@@ -2,10 +2,13 @@
 
     @pytest.mark.world_size(1, 2)
     def test_ddp_matches_one_process(tmp_path):
-        ...  # runs twice: in 1 spawned process, then in 2; torch.distributed is initialised
+        ...  # runs twice: in 1 forked process, then in 2; torch.distributed is initialised
 
     @pytest.mark.gpus(2)
     def test_data_parallel(): ...  # skipped, saying so, on a machine with fewer than 2 GPUs
+
+    @pytest.mark.ranks(2)
+    def test_under_torchrun(): ...  # starts 2 ranks itself: skipped on a machine with 1 GPU (gloo on CPU runs)
 
 Marker ``world_size(*sizes, backend=None, timeout=None, fresh=False)``. The backend is ``--world-backend``
 (``auto``: nccl on a machine with GPUs, gloo on one without); a size that needs more GPUs than the
@@ -77,6 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "each size (fresh: in processes of its own, not a world kept from earlier tests)",
     )
     config.addinivalue_line("markers", "gpus(n): skip unless the machine has at least n CUDA GPUs")
+    config.addinivalue_line(
+        "markers",
+        "ranks(n): the test starts n ranks itself (a launcher), and with GPUs rank r takes cuda:r: skip on a machine "
+        "with some GPUs but fewer than n (without GPUs the ranks run on the CPU)",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -100,6 +108,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         found = _gpu_count()
         if found < needed:
             pytest.skip(f"needs {needed} GPUs, found {found}")
+    marker = item.get_closest_marker("ranks")
+    if marker is not None:
+        needed, found = marker.args[0], _gpu_count()
+        if 0 < found < needed:
+            pytest.skip(f"needs {needed} GPUs for its {needed} ranks (or none, on CPU), found {found}")
 
 
 @pytest.hookimpl(tryfirst=True)

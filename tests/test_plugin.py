@@ -171,6 +171,30 @@ def test_auto_backend_never_puts_two_ranks_on_a_machine_with_too_few_gpus(monkey
         assert pytest_plugin._backend(config, marker, 2) == expected
 
 
+@pytest.mark.parametrize("gpus, skipped", [(0, False), (1, True), (2, False), (3, False)])
+def test_a_test_starting_its_own_ranks_is_skipped_where_a_rank_would_have_no_gpu(monkeypatch, gpus, skipped):
+    """``ranks(2)``: a launcher's rank 1 takes cuda:1, out of range on a one-GPU machine (the HF Trainer DeepSpeed
+    test under torchrun failed so); without GPUs the ranks run on the CPU."""
+    from pyvene_dist import pytest_plugin
+
+    monkeypatch.setattr(pytest_plugin, "_gpu_count", lambda: gpus)
+    item = type("Item", (), {"get_closest_marker": lambda self, name: pytest.mark.ranks(2).mark if name == "ranks"
+                             else None})()
+    if skipped:
+        with pytest.raises(pytest.skip.Exception, match="needs 2 GPUs for its 2 ranks .or none, on CPU., found 1"):
+            pytest_plugin.pytest_runtest_setup(item)
+    else:
+        pytest_plugin.pytest_runtest_setup(item)
+
+
+def test_the_torchrun_deepspeed_test_says_how_many_ranks_it_starts():
+    """The marker is on the test, so the skip above applies to it."""
+    from fixes import test_deepspeed
+
+    marks = test_deepspeed.test_hf_trainer_deepspeed_under_torchrun_matches_one_process.pytestmark
+    assert [mark.args for mark in marks if mark.name == "ranks"] == [(2,)]
+
+
 def test_no_rank_starts_its_body_before_every_rank_is_through_init_process_group(pytester):
     """A rank whose body is ``pass`` used to leave while the other was still inside init_process_group,
     which then failed with ``Gloo connectFullMesh failed ... Connection closed by peer`` (1 to 6 times in

@@ -181,6 +181,7 @@ TRAINER_STAGES = [
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(2)  # torchrun's rank 1 takes cuda:1: "device_id cuda:1 is out of range" on a one-GPU machine
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
 def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(tmp_path, stage, patched):
     """The reference is one patched process (``patched``), as the script's ranks are: stock pyvene's
