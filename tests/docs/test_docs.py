@@ -571,20 +571,89 @@ def test_the_supported_versions_are_the_tested_ones():
 # --- every figure a page quotes is backed by rows in benchmarks/results ----------------------------------------
 
 #: A figure, as the pages quote one: a ratio with decimals ("1.32 x", "0.98-1.03 x", "1.51x"), a time in ms or
-#: us ("21.5 ms", "53-86 ms"), or a memory size ("6.62 GiB", "518 MiB"). Counts, sizes of inputs ("8 x 512",
-#: "2 x H200"), deviations ("4.8e-07"), goals ("at most 1.03 x") and anything in code blocks are not figures.
+#: us ("21.5 ms", "53-86 ms"), a memory size ("6.62 GiB", "518 MiB"), a duration ("1,234 s", "20.6 minutes",
+#: "about two minutes": a spelled-out number is rounded to a whole one), or a count of what a run gave ("884
+#: passed", "4,335 kernel launches", "2 graph breaks"). Sizes of inputs ("8 x 512", "2 x H200", "2 layers"),
+#: deviations ("4.8e-07"), goals ("at most 1.03 x") and anything in code blocks are not figures.
 _NUMBER = r"\d[\d,]*(?:\.\d+)?"
-FIGURE = re.compile(rf"(?<![\w.])(?:(\d+\.\d+)(?:\s*-\s*(\d+\.\d+))?\s?x\b"
-                    rf"|({_NUMBER})(?:\s*-\s*({_NUMBER}))?\s?(?:ms|us|MiB|GiB)\b)")
+SPELLED = {"one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7", "eight": "8",
+           "nine": "9", "ten": "10", "twenty": "20", "thirty": "30"}
+#: What a row's number is divided by to give a figure in each unit of time: rows keep seconds or milliseconds.
+DIVISORS = {"s": (1, 1000), "second": (1, 1000), "minute": (1, 60, 60_000), "min": (1, 60, 60_000),
+            "hour": (1, 3600, 3_600_000)}
+COUNTED = ("passed", "failed", "skipped", "errors?", "(?:kernel )?launches", "(?:operator |Python )?calls",
+           "(?:graph )?breaks", "recompil(?:e|ation)s")
+FIGURE = re.compile(rf"(?<![\w.])(?:(?P<ratio>\d+\.\d+)(?:\s*-\s*(?P<ratio_to>\d+\.\d+))?\s?x\b"
+                    rf"|(?P<size>{_NUMBER})(?:\s*-\s*(?P<size_to>{_NUMBER}))?\s?(?:ms|us|MiB|GiB)\b"
+                    rf"|(?P<time>{_NUMBER})(?:\s*-\s*(?P<time_to>{_NUMBER}))?\s?(?P<unit>minutes?|min|hours?|seconds?|s)\b"
+                    rf"|(?P<spelled>{'|'.join(SPELLED)})\s(?P<spelled_unit>minutes?|hours?|seconds?)\b"
+                    rf"|(?P<count>{_NUMBER})(?:\s*-\s*(?P<count_to>{_NUMBER}))?\s(?:{'|'.join(COUNTED)})\b)")
+
+
+def figure_values(match: re.Match) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The numbers of a figure as written (a spelled-out one as digits), and what a row's number may be divided
+    by to give them (60 for a figure in minutes and a row in seconds)."""
+    values = tuple(SPELLED.get(value, value) for name, value in match.groupdict().items()
+                   if value and not name.endswith("unit"))
+    unit = match["unit"] or match["spelled_unit"] or ""
+    return values, DIVISORS.get(unit if unit in DIVISORS else unit.rstrip("s"), (1,))
+
+
 #: ``<!-- rows: benchmarks/results/<file>[, ...] -->`` names the rows behind the figures after it, until the
 #: next heading or marker; a heading naming a results file names it for its section, and a block (paragraph,
-#: table, list) naming one is backed by it too. ``<!-- not measured: <why> -->`` before a block: its figures are settings or arithmetic, not results.
+#: table, list item) naming one is backed by it too. A figure whose page names no rows for it is in
+#: ``FIGURE_SOURCES``, or the check fails.
 ROWS_MARKER = re.compile(r"<!-- rows: ([^>]*?) -->")
-NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+ -->")
 NAMED_RESULTS = re.compile(r"benchmarks/results/[\w./-]+\.(?:jsonl|json|md|txt)")
 #: Words a block quoting rows from archive/ must carry, or its heading, or the passage after the heading or marker
 #: that opens its part of the page: those rows predate the hot path's rewrites.
 BEFORE_REWRITE = "before the rewrite"
+
+#: Where a figure comes from when its page does not say: (page, the figure as written, or the words that open its
+#: block, for every figure of the block) -> "rows: <results files>" whose rows must give it, or why it is not a
+#: result (a setting, arithmetic, a count no row keeps). One line a figure; a line no figure uses any more fails
+#: (``test_every_figure_source_is_used``).
+FIGURE_SOURCES: dict[tuple[str, str], str] = {
+    ("docs/plan.md", "| measured (2 x H200 unless noted) |"):
+        "plan's estimates beside the peaks of the rows in benchmarks/results/archive/, arithmetic on them; "
+        "tests/docs/test_plan.py compares every row",
+    ("docs/strategies/deepspeed.md", "A frozen base model has no gradients"): "the size of DeepSpeed's default "
+        "bucket, 5e8 fp32 elements: a setting",
+    ("docs/strategies/deepspeed.md", "What ZeRO-3 keeps beyond its half"): "the sizes of one matrix, vocabulary x "
+        "hidden in fp32: arithmetic",
+    ("docs/strategies/deepspeed.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
+    ("docs/limits.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
+    ("docs/checkpoints.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
+    ("docs/testing.md", "20 s"): "a timeout: how long the other ranks wait for one that stopped (testing.launch)",
+    ("docs/testing.md", "70 s"): "timed by hand when the test was written (CPU time of one run); no row kept",
+    ("docs/testing.md", "4.1 minutes"): "timed by hand when the test was written (wall time, loaded machine); no "
+        "row kept",
+    ("docs/strategies/deepspeed.md", "1 MiB"): "DeepSpeed's smallest swap, a setting",
+    ("docs/strategies/ray.md", "27 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
+    ("docs/strategies/ray.md", "88 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
+    ("docs/strategies/ray.md", "35 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
+    ("docs/strategies/ray.md", "150 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
+    ("docs/fast_path.md", "15 breaks"): "torch._dynamo.explain's count, asserted on CPU by "
+        "tests/fixes/test_fast_path_compile.py, and in the log of the GPU run at 95e7580 (gpu-tests/)",
+    ("docs/fast_path.md", "45 Python calls"): "counted with benchmarks/calls.py's profiler while the change was "
+        "made; no row keeps one application's count",
+    ("docs/fast_path.md", "31 kernel launches"): "arithmetic: ReFT's launches per token less the bare model's, "
+        "both in the generation profile the paragraph names",
+    ("docs/fast_path.md", "557 calls"): "counted with benchmarks/calls.py's profiler while the change was made; no "
+        "row keeps the walk's count",
+    ("docs/fast_path.md", "143 calls"): "counted with benchmarks/calls.py's profiler while the change was made "
+        "(DataParallel: not in the CPU rows)",
+    ("docs/fast_path.md", "8 calls"): "arithmetic: 4 interventions x 2 lock.__exit__",
+    ("docs/fast_path.md", "9 calls"): "counted with benchmarks/calls.py's profiler while the change was made; no "
+        "row keeps one hook's count",
+    ("docs/fast_path.md", "2 calls"): "what the proposed change would leave: a dict lookup and its key, not run",
+    ("docs/patches.md", "3,883 Python calls"): "rows: benchmarks/results/calls-cpu.jsonl",
+    ("docs/patches.md", "550 operator calls"): "counted with the profiler when the householder fix was written; no "
+        "row kept",
+    ("docs/patches.md", "200 calls"): "counted with the profiler when the householder fix was written; no row kept",
+    ("README.md", "40 failed"): "the JUnit file of the GPU run the claim names; tests/docs/test_readme.py checks "
+        "the claim against it",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,16 +664,27 @@ class Figure:
     results: tuple[str, ...]  # the results files that back it
     not_measured: bool = False
     block: str = ""
+    per: tuple[int, ...] = (1,)  # what a row's number may be divided by to give it (60: a row's seconds, minutes)
+    source: tuple[str, str] | None = None  # its key in FIGURE_SOURCES, if it is there
 
 
-def quoted_figures(page: Path, text: str | None = None) -> list[Figure]:
-    """Every figure in the prose of ``page`` (code blocks skipped), with the results files named for it."""
+def _source(page: str, figure: str, block: str, sources: dict[tuple[str, str], str]) -> tuple[str, str] | None:
+    opening = " ".join(block.split())
+    return next((key for key in ((page, figure), *((page, words) for listed, words in sources if listed == page
+                                                   and opening.startswith(words))) if key in sources), None)
+
+
+def quoted_figures(page: Path, text: str | None = None, sources: dict[tuple[str, str], str] | None = None
+                   ) -> list[Figure]:
+    """Every figure in the prose of ``page`` (code blocks skipped), with the results files named for it (by the
+    page, or by ``sources``, FIGURE_SOURCES unless given)."""
     text = page.read_text() if text is None else text
-    found, section_rows, block_lines, fence, pending_not_measured, heading = [], (), [], False, False, ""
+    sources = FIGURE_SOURCES if sources is None else sources
+    found, section_rows, block_lines, fence, heading = [], (), [], False, ""
     introduction = ""  # the first block after a heading or marker: what it says holds for the blocks after it
     lines = text.splitlines() + [""]
 
-    def close(block_not_measured: bool) -> None:
+    def close() -> None:
         nonlocal introduction
         block = "\n".join(line for _, line in block_lines)
         introduction = introduction or block
@@ -613,9 +693,12 @@ def quoted_figures(page: Path, text: str | None = None) -> list[Figure]:
             for match in FIGURE.finditer(re.sub(r"<!--.*?-->", "", line)):
                 if re.search(r"(at most|goal|<=)\s*\(?$", line[:match.start()]):
                     continue  # a goal ("at most 1.03 x LoRA"), not a measurement
-                values = tuple(value for value in match.groups() if value)
-                found.append(Figure(f"{_shown(page)}:{number}", match.group(0), values, rows, block_not_measured,
-                                    f"{heading}\n{introduction}\n{block}"))
+                values, per = figure_values(match)
+                source = _source(_shown(page), match.group(0), block, sources)
+                named = tuple(NAMED_RESULTS.findall(sources[source])) if source and sources[source].startswith(
+                    "rows: ") else ()
+                found.append(Figure(f"{_shown(page)}:{number}", match.group(0), values, named or rows,
+                                    bool(source and not named), f"{heading}\n{introduction}\n{block}", per, source))
 
     for number, line in enumerate(lines, start=1):
         stripped = line.strip()
@@ -625,29 +708,32 @@ def quoted_figures(page: Path, text: str | None = None) -> list[Figure]:
         if fence:
             continue
         marker = ROWS_MARKER.search(line)
-        if stripped.startswith("#") or not stripped or marker or NOT_MEASURED.search(line):
+        if stripped.startswith("#") or not stripped or marker:
             if block_lines:
-                close(pending_not_measured)
-                block_lines, pending_not_measured = [], False
+                close()
+                block_lines = []
             if stripped.startswith("#") or marker:
                 introduction = ""
             if stripped.startswith("#"):
                 section_rows, heading = tuple(NAMED_RESULTS.findall(stripped)), stripped
             if marker:
                 section_rows = tuple(name.strip() for name in marker.group(1).split(","))
-            pending_not_measured = bool(NOT_MEASURED.search(line))
             continue
         if block_lines and re.match(r"(-|\*|\d+\.) ", stripped):  # a list item is a block of its own
-            close(pending_not_measured)
-            block_lines, pending_not_measured = [], False
+            close()
+            block_lines = []
         block_lines.append((number, line))
     return found
 
 
 def _numbers(value, key: str = "") -> list[tuple[str, float]]:
-    """(key, number) for every number in a row, lists and nested objects included."""
+    """(key, number) for every number in a row, lists and nested objects included, and the figures a text
+    in it states ("outcome": "884 passed, 110 skipped"; "took 371 s")."""
     if isinstance(value, bool):
         return []
+    if isinstance(value, str):
+        return [(key, float(number.replace(",", ""))) for match in FIGURE.finditer(value)
+                for number in figure_values(match)[0]]
     if isinstance(value, (int, float)):
         return [(key, float(value))]
     if isinstance(value, dict):
@@ -696,10 +782,10 @@ def backing_values(name: str) -> set[float]:
     return values
 
 
-def _within_rounding(written: str, values: set[float]) -> bool:
+def _within_rounding(written: str, values: set[float], per: tuple[int, ...] = (1,)) -> bool:
     decimals = len(written.partition(".")[2])
     target, half_unit = float(written.replace(",", "")), 0.5 * 10 ** -decimals
-    return any(abs(value - target) <= half_unit * (1 + 1e-9) for value in values)
+    return any(abs(value / divisor - target) <= half_unit * (1 + 1e-9) for value in values for divisor in per)
 
 
 def unbacked_figures(figures: list[Figure]) -> list[str]:
@@ -714,7 +800,7 @@ def unbacked_figures(figures: list[Figure]) -> list[str]:
                             f"benchmarks/results/... --> before it, or drop the figure)")
             continue
         values = set().union(*(cache.setdefault(name, backing_values(name)) for name in figure.results))
-        missing = [value for value in figure.values if not _within_rounding(value, values)]
+        missing = [value for value in figure.values if not _within_rounding(value, values, figure.per)]
         if missing:
             problems.append(f"{figure.where}: {figure.text!r}: no row of {', '.join(figure.results)} gives "
                             f"{', '.join(missing)} within its rounding")
@@ -724,14 +810,17 @@ def unbacked_figures(figures: list[Figure]) -> list[str]:
     return problems
 
 
-#: Pages whose figures are not checked yet, and why (remove an entry when its page carries row markers).
-FIGURES_UNCHECKED: dict[str, str] = {}  # page -> why its figures are not checked (none today)
-
-
-@pytest.mark.parametrize("page", [page for page in PAGES if _shown(page) not in FIGURES_UNCHECKED], ids=_shown)
+@pytest.mark.parametrize("page", PAGES, ids=_shown)
 def test_every_quoted_figure_is_backed_by_a_row(page):
     problems = unbacked_figures(quoted_figures(page))
-    assert not problems, "figures no row in benchmarks/results backs:\n" + "\n".join(problems)
+    assert not problems, ("figures no row in benchmarks/results backs (name the rows on the page, or say where "
+                          "the figure comes from in FIGURE_SOURCES):\n" + "\n".join(problems))
+
+
+def test_every_figure_source_is_used():
+    used = {figure.source for page in PAGES for figure in quoted_figures(page)}
+    stale = [key for key in FIGURE_SOURCES if key not in used]
+    assert not stale, f"FIGURE_SOURCES lists figures no page quotes any more (remove them): {stale}"
 
 
 def test_an_unbacked_figure_is_refused(tmp_path):
@@ -758,9 +847,28 @@ def test_an_unbacked_figure_is_refused(tmp_path):
         "26.4 ms", "6.62 GiB"))[0].endswith(f"without saying they were measured {BEFORE_REWRITE}")
     assert problems("<!-- rows: benchmarks/results/archive/checkpointing-1xH200.jsonl -->\n"
                     f"Measured {BEFORE_REWRITE}: peak 6.62 GiB.\n") == []
-    not_figures = "```\nstep 21.5 ms\n```\n\n2 x H200, 8 x 512 tokens, 4.8e-07.\n\n<!-- not measured: a setting -->\nA 2 GiB bucket.\n"
-    assert problems(not_figures) == []
-    assert problems(not_figures.replace("<!-- not measured: a setting -->\n", "")) != []
+    not_figures = "```\nstep 21.5 ms\n```\n\n2 x H200, 8 x 512 tokens, 2 layers, 4.8e-07.\n\nA 2 GiB bucket.\n"
+    assert [problem.split("'")[1] for problem in problems(not_figures)] == ["2 GiB"]
+    setting = {("fake.md", "2 GiB"): "a setting"}
+    assert unbacked_figures(quoted_figures(Path("fake.md"), not_figures, setting)) == []
+    assert unbacked_figures(quoted_figures(Path("fake.md"), not_figures, {("fake.md", "A 2 GiB"): "a setting"})) == []
+
+
+def test_durations_and_counts_are_figures(tmp_path):
+    """The README of b0b1170 quoted its suite time ("20.6 minutes", "1,234 s") and "about two minutes" with no
+    figure found: durations (a spelled-out one too) and counts of what a run gave are figures, and a row's
+    seconds back a figure in minutes."""
+    rows = tmp_path / "suite.jsonl"
+    rows.write_text(json.dumps({"run_id": "r1", "seconds": 1233.93, "outcome": "878 passed, 105 skipped"}) + "\n")
+    page = (f"<!-- rows: {rows} -->\nThe tests took 20.6 minutes (1,234 s; 878 passed, 105 skipped).\n\n"
+            "Trying it takes about ten minutes, and 4,335 kernel launches in 3 steps, 2 graph breaks.\n")
+    figures = quoted_figures(Path("fake.md"), page)
+    assert [figure.text for figure in figures] == ["20.6 minutes", "1,234 s", "878 passed", "105 skipped",
+                                                   "ten minutes", "4,335 kernel launches", "2 graph breaks"]
+    assert figures[4].values == ("10",) and 60 in figures[0].per
+    assert [problem.split("'")[1] for problem in unbacked_figures(figures)] == [
+        "ten minutes", "4,335 kernel launches", "2 graph breaks"]
+    assert unbacked_figures(quoted_figures(Path("fake.md"), page.replace("20.6", "26"))) != []
 
 
 def test_every_row_says_where_it_came_from():
@@ -841,3 +949,39 @@ def test_every_name_a_page_quotes_is_in_the_code(page):
         elif not _resolves(name):
             missing.append(name)
     assert not missing, f"{page.relative_to(ROOT)} quotes names the code lacks: {missing}"
+
+
+# --- how ranks start, as the pages say it ----------------------------------------------------------------------
+
+#: Passages that say how a rank's process starts: (page, the words that open the passage). quickstart.md said
+#: check's ranks were "freshly spawned" after they forked by default (``pyvene_dist.testing._preloaded``).
+RANK_START = [
+    ("docs/quickstart.md", "`pyvene-dist check` trains a tiny Llama"),
+    ("docs/testing.md", "- `@pytest.mark.world_size(1, 2, backend=None"),
+    ("docs/testing.md", "`trainer_runs.py`, and `suite.py` lists them"),
+    ("docs/strategies/accelerate.md", "`check` builds `Accelerator("),
+]
+#: A start method, as the pages say it.
+STARTED = {"forkserver": "forked", "spawn": "spawned"}
+
+
+def _passage(page: Path, opening: str) -> str:
+    text = page.read_text()
+    start = text.index(opening)
+    ends = [end for end in (text.find("\n\n", start), text.find("\n- ", start + 1)) if end != -1]
+    return " ".join(text[start:min(ends, default=len(text))].split())
+
+
+@pytest.mark.parametrize("page, opening", RANK_START, ids=[f"{page}:{opening[:30]}" for page, opening in RANK_START])
+def test_the_pages_say_how_ranks_start(page, opening, monkeypatch):
+    from pyvene_dist.testing import _preloaded
+
+    monkeypatch.delenv(_preloaded.VARIABLE, raising=False)
+    monkeypatch.setitem(_preloaded._servers, _preloaded._now(), None)  # as if started: nothing is started here
+    method = _preloaded.context().get_start_method()
+    passage = _passage(ROOT / page, opening)
+    others = [word for start, word in STARTED.items() if start != method]
+    said = [word for word in others if re.search(rf"\b{word} (?:process|processes|ranks?|world)\b", passage)]
+    assert STARTED[method] in passage and not said, (
+        f"{page}: ranks start {STARTED[method]} by default ({method}); the passage {opening!r} says "
+        f"{said or 'neither'}: {passage[:300]}")
