@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from test_docs import blocks, shell_commands
 
 ROOT = Path(__file__).parents[2]
@@ -188,3 +189,79 @@ def test_the_readme_names_the_traps_the_quickstart_names():
     paragraph = _paragraph((ROOT / "README.md").read_text(), "**Your pyreft script on several GPUs.**")
     missing = [trap for trap in traps if trap not in paragraph]
     assert not missing, f"README.md says the rest of the script stays as it is, without the exceptions {missing}"
+
+
+VERSION_MATRIX = ROOT / "benchmarks" / "results" / "version-matrix.jsonl"
+#: The packages whose releases the README's "Supported, as tested" line may name as ranges.
+RANGED = ("torch", "transformers", "accelerate", "deepspeed", "peft")
+
+
+def _release(version: str | None) -> str:
+    return (version or "").split("+")[0]
+
+
+def _covers(written: str, version: str | None) -> bool:
+    """Whether a release as the README writes it ("5.24", "2.13.0") is ``version`` or its series."""
+    return _release(version) == written or _release(version).startswith(written + ".")
+
+
+def version_claim_problems(sentence: str, rows: list[dict]) -> list[str]:
+    """What the README's version line claims beyond the matrix's passing rows (core tests and check passed): each
+    "torch X with transformers Y" must be a passing row's pair, and each range "name A-B" must end at releases
+    passing rows ran, hold every passing row's release, and come with the pairs that ran it."""
+    passing = [row for row in rows if row["pytest"].get("failed", 1) == row["pytest"].get("errors", 1) == 0
+               and row["check"].get("verdict") == "passed"]
+    problems = []
+    pairs = re.findall(r"torch (\d+\.\d+(?:\.\d+)?) with transformers (\d+\.\d+(?:\.\d+)?)", sentence)
+    for torch_release, transformers_release in pairs:
+        if not any(_covers(torch_release, row["versions"].get("torch"))
+                   and _covers(transformers_release, row["versions"].get("transformers")) for row in passing):
+            problems.append(f"torch {torch_release} with transformers {transformers_release}: no passing row")
+    for name, low, high in re.findall(rf"\b({'|'.join(RANGED)}) (\d+\.\d+)-(\d+\.\d+)", sentence):
+        ran = [row["versions"].get(name) for row in passing if row["versions"].get(name)]
+        for end in (low, high):
+            if not any(_covers(end, version) for version in ran):
+                problems.append(f"{name} {low}-{high}: no passing row ran {name} {end}")
+        outside = sorted({_release(version) for version in ran
+                          if not Version(low) <= Version(".".join(_release(version).split(".")[:2])) <= Version(high)})
+        if outside:
+            problems.append(f"{name} {low}-{high}: passing rows ran {', '.join(outside)} too")
+        if not pairs:
+            problems.append(f"{name} {low}-{high}: a range, without the pairs that ran it ('torch X with transformers Y')")
+    return problems
+
+
+def readme_version_line(text: str) -> str:
+    start = text.index("Supported, as tested:")
+    end = text.find(". ", start)
+    return " ".join(text[start:end if end != -1 else None].split())
+
+
+@pytest.mark.skipif(not VERSION_MATRIX.is_file(), reason="benchmarks/results/version-matrix.jsonl does not exist "
+                    "yet (scripts/version_matrix.py writes it); the README's version line has no rows to match")
+def test_the_readme_version_line_is_what_the_matrix_ran():
+    rows = [json.loads(line) for line in VERSION_MATRIX.read_text().splitlines() if line.strip()]
+    sentence = readme_version_line((ROOT / "README.md").read_text())
+    problems = version_claim_problems(sentence, rows)
+    assert not problems, f"README.md's {sentence!r} claims more than benchmarks/results/version-matrix.jsonl ran: " \
+                         f"{problems}"
+
+
+def test_a_version_line_claiming_untested_releases_is_refused():
+    """b0b1170's line: ranges over two tested pairs, one of them (torch 2.11 with transformers 5.17) not a row of
+    the matrix."""
+    row = lambda torch, transformers, failed=0: {  # noqa: E731
+        "versions": {"torch": torch, "transformers": transformers}, "pytest": {"failed": failed, "errors": 0},
+        "check": {"verdict": "passed"}}
+    rows = [row("2.13.0+cpu", "5.24.0"), row("2.14.1+cpu", "5.25.0"), row("2.11.0+cpu", "5.17.0", failed=3)]
+    old = ("Supported, as tested: pyvene 0.1.8, pyreft 0.1.0, transformers 5.17-5.24 and torch 2.11-2.13 (torch 2.11 "
+           "with transformers 5.17 on H200s, torch 2.13 with transformers 5.24 on CPU, where CI runs)")
+    assert version_claim_problems(old, rows) == [
+        "torch 2.11 with transformers 5.17: no passing row", "transformers 5.17-5.24: no passing row ran transformers "
+        "5.17", "transformers 5.17-5.24: passing rows ran 5.25.0 too", "torch 2.11-2.13: no passing row ran torch "
+        "2.11", "torch 2.11-2.13: passing rows ran 2.14.1 too"]
+    new = ("Supported, as tested: transformers 5.24-5.25 and torch 2.13-2.14 (torch 2.13 with transformers 5.24, "
+           "torch 2.14.1 with transformers 5.25)")
+    assert version_claim_problems(new, rows) == []
+    assert version_claim_problems("Supported, as tested: torch 2.13-2.14", rows) == [
+        "torch 2.13-2.14: a range, without the pairs that ran it ('torch X with transformers Y')"]
