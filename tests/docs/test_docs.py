@@ -613,6 +613,8 @@ BEFORE_REWRITE = "before the rewrite"
 #: block, for every figure of the block) -> "rows: <results files>" whose rows must give it, or why it is not a
 #: result (a setting, arithmetic, a count no row keeps). One line a figure; a line no figure uses any more fails
 #: (``test_every_figure_source_is_used``).
+ARRIVAL_TIMEOUT = "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S"
+RAY_BY_HAND = "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept"
 FIGURE_SOURCES: dict[tuple[str, str], str] = {
     ("docs/plan.md", "| measured (2 x H200 unless noted) |"):
         "plan's estimates beside the peaks of the rows in benchmarks/results/archive/, arithmetic on them; "
@@ -621,18 +623,18 @@ FIGURE_SOURCES: dict[tuple[str, str], str] = {
         "bucket, 5e8 fp32 elements: a setting",
     ("docs/strategies/deepspeed.md", "What ZeRO-3 keeps beyond its half"): "the sizes of one matrix, vocabulary x "
         "hidden in fp32: arithmetic",
-    ("docs/strategies/deepspeed.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
-    ("docs/limits.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
-    ("docs/checkpoints.md", "30 s"): "a timeout: pyvene_dist.gather.ARRIVAL_TIMEOUT_S",
+    ("docs/strategies/deepspeed.md", "30 s"): ARRIVAL_TIMEOUT,
+    ("docs/limits.md", "30 s"): ARRIVAL_TIMEOUT,
+    ("docs/checkpoints.md", "30 s"): ARRIVAL_TIMEOUT,
     ("docs/testing.md", "20 s"): "a timeout: how long the other ranks wait for one that stopped (testing.launch)",
     ("docs/testing.md", "70 s"): "timed by hand when the test was written (CPU time of one run); no row kept",
     ("docs/testing.md", "4.1 minutes"): "timed by hand when the test was written (wall time, loaded machine); no "
         "row kept",
     ("docs/strategies/deepspeed.md", "1 MiB"): "DeepSpeed's smallest swap, a setting",
-    ("docs/strategies/ray.md", "27 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
-    ("docs/strategies/ray.md", "88 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
-    ("docs/strategies/ray.md", "35 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
-    ("docs/strategies/ray.md", "150 s"): "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no row kept",
+    ("docs/strategies/ray.md", "27 s"): RAY_BY_HAND,
+    ("docs/strategies/ray.md", "88 s"): RAY_BY_HAND,
+    ("docs/strategies/ray.md", "35 s"): RAY_BY_HAND,
+    ("docs/strategies/ray.md", "150 s"): RAY_BY_HAND,
     ("docs/fast_path.md", "15 breaks"): "torch._dynamo.explain's count, asserted on CPU by "
         "tests/fixes/test_fast_path_compile.py, and in the log of the GPU run at 95e7580 (gpu-tests/)",
     ("docs/fast_path.md", "45 Python calls"): "counted with benchmarks/calls.py's profiler while the change was "
@@ -965,8 +967,8 @@ RANK_START = [
 STARTED = {"forkserver": "forked", "spawn": "spawned"}
 
 
-def _passage(page: Path, opening: str) -> str:
-    text = page.read_text()
+def passage(text: str, opening: str) -> str:
+    """The paragraph or list item of ``text`` that starts with ``opening``, its lines joined."""
     start = text.index(opening)
     ends = [end for end in (text.find("\n\n", start), text.find("\n- ", start + 1)) if end != -1]
     return " ".join(text[start:min(ends, default=len(text))].split())
@@ -979,9 +981,9 @@ def test_the_pages_say_how_ranks_start(page, opening, monkeypatch):
     monkeypatch.delenv(_preloaded.VARIABLE, raising=False)
     monkeypatch.setitem(_preloaded._servers, _preloaded._now(), None)  # as if started: nothing is started here
     method = _preloaded.context().get_start_method()
-    passage = _passage(ROOT / page, opening)
+    said_here = passage((ROOT / page).read_text(), opening)
     others = [word for start, word in STARTED.items() if start != method]
-    said = [word for word in others if re.search(rf"\b{word} (?:process|processes|ranks?|world)\b", passage)]
-    assert STARTED[method] in passage and not said, (
+    said = [word for word in others if re.search(rf"\b{word} (?:process|processes|ranks?|world)\b", said_here)]
+    assert STARTED[method] in said_here and not said, (
         f"{page}: ranks start {STARTED[method]} by default ({method}); the passage {opening!r} says "
-        f"{said or 'neither'}: {passage[:300]}")
+        f"{said or 'neither'}: {said_here[:300]}")

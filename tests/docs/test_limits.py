@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_docs import passage
 from test_readme import readme_table
 
 ROOT = Path(__file__).parents[2]
@@ -28,13 +29,6 @@ NEWEST = [
 ]
 
 
-def _item(text: str, opening: str) -> str:
-    """The list item of ``text`` that starts with ``opening``, its lines joined."""
-    start = text.index(opening)
-    ends = [end for end in (text.find("\n- ", start + 1), text.find("\n\n", start)) if end != -1]
-    return " ".join(text[start:min(ends, default=len(text))].split())
-
-
 @pytest.mark.parametrize("name, fields, opening, quoted", NEWEST, ids=[case[0] for case in NEWEST])
 def test_the_limits_quote_the_newest_run(name, fields, opening, quoted):
     path = ROOT / "benchmarks" / "results" / name
@@ -42,7 +36,7 @@ def test_the_limits_quote_the_newest_run(name, fields, opening, quoted):
     matching = [row for row in rows if all(row.get(key) == value for key, value in fields.items())]
     assert matching, f"benchmarks/results/{name} has no row with {fields}"
     newest = quoted.format(**matching[-1])  # rows are appended as they are measured
-    item = _item(LIMITS.read_text(), opening)
+    item = passage(LIMITS.read_text(), opening)
     assert newest in item, (f"docs/limits.md's {opening!r} does not quote the newest row of {name} "
                             f"({matching[-1]['commit']}): {newest}; it says: {item[:400]}")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
-from test_docs import blocks, shell_commands
+from test_docs import blocks, passage, shell_commands
 
 ROOT = Path(__file__).parents[2]
 VENV = ".venv/bin/"
@@ -145,12 +145,6 @@ def test_a_claim_whose_run_failed_must_say_so(tmp_path):
     assert gpu_claims_without_a_log(table.format("1 x H200, 2026-12-03 (1234567)"), tmp_path) == []
 
 
-def _paragraph(text: str, opening: str) -> str:
-    """The paragraph of ``text`` that starts with ``opening``, its lines joined."""
-    start = text.index(opening)
-    return " ".join(text[start:text.find("\n\n", start)].split())
-
-
 def _rows(name: str) -> list[dict]:
     path = ROOT / "benchmarks" / "results" / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -172,7 +166,7 @@ def test_the_readme_quotes_the_newest_row(name, words, opening, quoted):
     rows = [row for row in _rows(name) if words in json.dumps(row)]
     assert rows, f"benchmarks/results/{name} has no row with {words!r}"
     newest = max(enumerate(rows), key=lambda found: (found[1]["date"], found[0]))[1]
-    paragraph = _paragraph((ROOT / "README.md").read_text(), opening)
+    paragraph = passage((ROOT / "README.md").read_text(), opening)
     seconds = newest.get("seconds")
     expected = [text.format(**newest, minutes=seconds / 60 if isinstance(seconds, (int, float)) else None)
                 for text in quoted]
@@ -186,7 +180,7 @@ def test_the_readme_names_the_traps_the_quickstart_names():
     quickstart = (ROOT / "docs" / "quickstart.md").read_text()
     traps = re.findall(r"unchanged, except (`[^`]+`)", quickstart)
     assert traps, "docs/quickstart.md names no 'unchanged, except `...`' any more: update this test"
-    paragraph = _paragraph((ROOT / "README.md").read_text(), "**Your pyreft script on several GPUs.**")
+    paragraph = passage((ROOT / "README.md").read_text(), "**Your pyreft script on several GPUs.**")
     missing = [trap for trap in traps if trap not in paragraph]
     assert not missing, f"README.md says the rest of the script stays as it is, without the exceptions {missing}"
 
