@@ -36,10 +36,13 @@ def patch(
     docs/fast_path.md). Fixes that pyvene's and pyreft's
     ``FIXES`` report carrying are left out.
 
-    Raises ``UnsupportedVersionError`` when pyvene, pyreft, transformers or torch is outside the
-    releases the applied fixes were checked on, unless ``allow_unsupported=True`` or
-    ``PYVENE_DIST_ALLOW_UNSUPPORTED=1``. Each environment variable takes 1/0, true/false, yes/no or
-    on/off in any case (``pyvene_dist._options.switch``), and another value is refused by name.
+    Before applying anything, compares the source of every function the selected fixes depend on (pyreft's and
+    ``transformers.trainer``'s too, read from their files without importing them) with the forms known to work
+    (``pyvene_dist._versions``). A newer release that left them unchanged is patched, with one logged note
+    (logger ``pyvene_dist``); a changed one raises ``UnsupportedVersionError`` naming the function and the fix,
+    and so does torch or transformers older than the tested floors, unless ``allow_unsupported=True`` or
+    ``PYVENE_DIST_ALLOW_UNSUPPORTED=1`` (then a warning). Each environment variable takes 1/0, true/false,
+    yes/no or on/off in any case (``pyvene_dist._options.switch``), and another value is refused by name.
     """
     from . import _versions
     from ._options import Options

@@ -1,8 +1,9 @@
 """What a fix is: ``Fix``, the record each fix module declares, and its sites (``Site``); how a record is applied
 into the registry (``Fix.patch``), with the checks that refuse a site the installed release changed.
 
-Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the fixes it is
-built on, the upstream packages whose ``FIXES`` retire it, and the releases it was checked on.
+Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the functions it relies on
+besides, the fixes it is built on and the upstream packages whose ``FIXES`` retire it. The releases it was checked
+on are those of the forms of its functions known to work (``_fingerprints``), which ``patch()`` compares first.
 ``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
 
 Patches name the class that *defines* a method (``BaseModel.named_parameters``, not
@@ -14,15 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import importlib
 import inspect
-import textwrap
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
+from ._fingerprints import digest, known
 from ._options import Options
-from ._versions import ALLOW_ENV, UnsupportedVersionError
+from ._versions import ALLOW_ENV, UnsupportedVersionError, known_forms
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -44,8 +44,9 @@ class Site:
 
     ``kind`` says how: ``wrap`` puts a ``wrapt.FunctionWrapper`` calling ``wrapper`` around the original
     (which the wrapper calls); ``replace`` does the same with a wrapper that never calls the original,
-    so the original's source must be the one the replacement was written from (``fingerprint``, checked
-    at ``patch()``); ``add`` gives the owner an attribute it lacks (``wrapper`` is the value); ``entry``
+    so the original's source must be one the replacement was written for (a form ``_fingerprints.KNOWN`` holds
+    for it, checked at ``patch()`` and again on the object it replaces); ``add`` gives the owner an attribute it
+    lacks (``wrapper`` is the value); ``entry``
     puts a plain function in place of what the owner holds now (another fix's wrap, or the original):
     ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
     traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
@@ -54,13 +55,17 @@ class Site:
     ``reexported_in`` names the modules that re-export the attribute (``from .modeling_utils import *``):
     each holds the same original under the same qualified name, and is patched the same way, since code
     there looks the name up in its own module (``Fix.places`` lists them all).
+
+    ``any_form``: the fix compares the target's source itself and, where it is not the one the fix was written
+    from, leaves the target's behaviour as it is (``fast_path`` takes pyvene's general path); ``patch()`` then
+    does not refuse the fix for a changed form of it (``_versions``).
     """
 
     path: str
     wrapper: Any
     kind: str = "wrap"
-    fingerprint: str | None = None
     reexported_in: tuple[str, ...] = ()
+    any_form: bool = False
     #: Set by ``places()`` on a re-export's place: the module it re-exports from, whose attribute it must hold.
     reexports: str | None = None
 
@@ -70,10 +75,10 @@ class Site:
                             "names such as ('pyvene.models.intervenable_base',)")
         if self.kind not in KINDS:
             raise ValueError(f"Site {self.path!r}: kind={self.kind!r}, expected one of {KINDS}")
-        if (self.kind == "replace") != (self.fingerprint is not None):
-            raise ValueError(f"Site {self.path!r}: a fingerprint goes with kind='replace' and only with it")
-        if self.path.count(":") != 1:
-            raise ValueError(f"Site {self.path!r}: expected 'module:Qualified.attr'")
+        _check_path("Site", self.path)
+        if self.any_form and self.kind in ("replace", "add"):
+            raise ValueError(f"Site {self.path!r}: any_form=True with kind={self.kind!r}; a replacement must match "
+                             "a form it was written for, and an added attribute has none")
 
     @property
     def module(self) -> str:
@@ -119,8 +124,10 @@ class Fix:
     #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
     #: empty for a runtime-only fix (docs/upstreaming.md says why each is).
     upstream: tuple[str, ...] = ()
-    #: distribution -> the releases this fix was checked on (a specifier); only applied fixes count.
-    checked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Functions (``"module:Qualified.name"``) of torch or transformers whose behaviour this fix relies on
+    #: without wrapping them (it mirrors them op for op, or reads what they set): ``patch()`` checks their forms
+    #: as it does its sites'.
+    relies_on: tuple[str, ...] = ()
     #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``), or the name of that class in the
     #: fix's module: made without arguments, with a ``close()`` that undoes what it holds.
     state: type | str | None = None
@@ -129,6 +136,13 @@ class Fix:
     #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
     #: (hooks they registered, graphs they captured).
     on_unpatch: Callable[[], None] | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.relies_on, str):
+            raise TypeError(f"Fix {self.module!r}: relies_on={self.relies_on!r}, expected a tuple of "
+                            "'module:Qualified.name' strings")
+        for path in self.relies_on:
+            _check_path(f"Fix {self.module!r}: relies_on", path)
 
     @functools.cached_property  # read on hot paths (``FIX.name in REGISTRY.applied``)
     def name(self) -> str:
@@ -194,23 +208,29 @@ def _check_reexport(fix: Fix, site: Site, owner: Any, registry: "Registry") -> N
                        "of its own rather than reexported_in")
 
 
+def _check_path(what: str, path: str) -> None:
+    if path.count(":") != 1:
+        raise ValueError(f"{what} {path!r}: expected 'module:Qualified.attr'")
+
+
 def fingerprint(original: Any) -> str:
     """The first 16 hex digits of the SHA-256 of ``original``'s source (dedented)."""
-    function = getattr(original, "__func__", original)
-    source = textwrap.dedent(inspect.getsource(function))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    return digest(inspect.getsource(getattr(original, "__func__", original)))
 
 
 def _check_fingerprint(fix: Fix, site: Site, original: Any, options: Options) -> None:
+    """The object a ``replace`` site replaces must have a known form: ``patch()`` checked its file, and this is
+    what was imported (a module imported after ``patch()`` from elsewhere, an original someone replaced)."""
     try:
         found = fingerprint(original)
     except (TypeError, OSError):  # no source to read: no fingerprint either
         found = "none"
-    if found == site.fingerprint:
+    forms = known().get(site.path, {})
+    if found in forms:
         return
     message = (
-        f"pyvene_dist's fix {fix.name!r} replaces {site.path}, written from the source with fingerprint "
-        f"{site.fingerprint}; the installed one has {found}, so the replacement may drop what changed"
+        f"pyvene_dist's fix {fix.name!r} replaces {site.path}, written for the sources {known_forms(forms)}; "
+        f"the one imported has {found}, so the replacement may drop what changed"
     )
     if options.allow_unsupported:
         warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=4)

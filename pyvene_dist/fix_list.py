@@ -1,17 +1,21 @@
-"""``pyvene-dist fixes``: every fix, what it fixes, whether ``patch()`` applies it here, and the releases checked.
+"""``pyvene-dist fixes``: every fix, what it fixes, whether ``patch()`` applies it here, the releases it was checked
+on, and whether the functions it depends on are unchanged here; ``python -m pyvene_dist.fix_list --record`` records
+this environment's forms of those functions as known to work.
 
-Everything comes from the records (``pyvene_dist.fixes``): the summary is the first paragraph of the fix
-module's docstring, "applied" is what ``patch()`` with its defaults would do in this environment, and the
-ranges are the record's ``checked``.
+Everything comes from the records (``pyvene_dist.fixes``) and the table of known forms (``_fingerprints``): the
+summary is the first paragraph of the fix module's docstring, "applied" is what ``patch()`` with its defaults would
+do in this environment, "checked on" the releases recorded with the forms of every function the fix depends on
+(``_fingerprints.checked_on``), and "fingerprint unchanged" says that each of those functions has a known form here.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
 
-from . import _versions
+from . import _fingerprints, _versions
 from .fixes import fixes, upstreamed
 
 
@@ -20,9 +24,15 @@ class Row:
     name: str
     fixes: str
     applied: bool
-    #: Why not, when not applied: upstream carries it, or a release outside what it was checked on.
+    #: Why not, when not applied: upstream carries it, or a function it depends on changed (or a release below
+    #: the floors).
     reason: str
-    checked: dict[str, str]
+    #: Distribution -> the releases the forms of its functions were recorded with.
+    checked: dict[str, list[str]]
+    #: "unchanged", or "changed" where a function it depends on has a form it does not know here.
+    fingerprint: str
+    #: The functions with a form it does not know here.
+    changed: list[str]
     installed: dict[str, str | None]
 
 
@@ -35,21 +45,31 @@ def summary(module: str) -> str:
 def rows() -> list[Row]:
     records = fixes()
     carried = upstreamed(records)
+    floors = _versions.below_floor()
+    changes = {fix.name: _versions.changed([fix]) for fix in records}
+    # patch() applies none while a fix it would apply has a changed function (``_versions``' rule)
+    refusing = sorted(name for name, found in changes.items() if found and name not in carried)
     found = []
     for fix in records:
-        problems = _versions.mismatches([fix])
+        problems = floors + [str(change) for change in changes[fix.name]]
+        if not problems and refusing:
+            problems = [f"functions of {', '.join(map(repr, refusing))} changed (see those fixes)"]
         reason = ("upstream carries it (its packages list it in FIXES)" if fix.name in carried
                   else "patch() refuses: " + "; ".join(problems) if problems else "")
-        found.append(Row(fix.name, summary(fix.module), not reason, reason, dict(fix.checked),
-                         {name: _versions.installed_version(name) for name in fix.checked}))
+        checked = _fingerprints.checked_on(fix)
+        found.append(Row(fix.name, summary(fix.module), not reason, reason, checked,
+                         "changed" if changes[fix.name] else "unchanged", [c.target for c in changes[fix.name]],
+                         {name: _versions.installed_version(name) for name in checked}))
     return found
 
 
 def table(found: list[Row]) -> str:
     lines = []
     for row in found:
-        checked = ", ".join(f"{name}{spec}" for name, spec in row.checked.items()) or "any release"
-        lines += [f"{row.name}: {'applied' if row.applied else 'not applied'}; checked on {checked}",
+        checked = "; ".join(f"{name} {', '.join(releases) or 'none recorded'}" for name, releases in row.checked.items())
+        state = "fingerprint unchanged" if not row.changed else f"fingerprint changed: {', '.join(row.changed)}"
+        lines += [f"{row.name}: {'applied' if row.applied else 'not applied'}; checked on "
+                  f"{checked or 'any release (it depends on no function it could check)'}; {state}",
                   f"    {row.fixes}"]
         if row.reason:
             lines.append(f"    not applied: {row.reason}")
@@ -60,3 +80,40 @@ def table(found: list[Row]) -> str:
 
 def to_json(found: list[Row]) -> str:
     return json.dumps([dataclasses.asdict(row) for row in found], indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pyvene_dist.fix_list [--json] [--record [--source DIR --release NAME=RELEASE ...]]``."""
+    parser = argparse.ArgumentParser(prog="python -m pyvene_dist.fix_list", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the fixes as JSON instead of text")
+    parser.add_argument("--record", action="store_true",
+                        help="add the forms of the functions the fixes depend on, as installed here, to the table of "
+                             f"known forms ({_fingerprints.TABLE.name}); run it after the suite passed here")
+    parser.add_argument("--source", metavar="DIR",
+                        help="with --record: read the forms from this folder (a source tree such as a git checkout "
+                             "of pyreft, holding the package folder) instead of the installed packages")
+    parser.add_argument("--release", metavar="NAME=RELEASE", action="append", default=[],
+                        help="with --source: the release to record for that distribution's forms, e.g. "
+                             "pyreft=0.1.0+git.dafd099 (only the distributions named are recorded)")
+    arguments = parser.parse_args(argv)
+    releases = dict(_release(value, parser) for value in arguments.release)
+    if (arguments.source is None) != (not releases):
+        parser.error("--source and --release go together")
+    if arguments.record:
+        _fingerprints.write(_fingerprints.record(fixes(), arguments.source, releases or None))
+        print(f"recorded in {_fingerprints.TABLE}")
+        return 0
+    found = rows()
+    print(to_json(found) if arguments.json else table(found))
+    return 0
+
+
+def _release(value: str, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    name, _, release = value.partition("=")
+    if not name or not release:
+        parser.error(f"--release {value!r}: expected NAME=RELEASE, such as pyreft=0.1.0+git.dafd099")
+    return name, release
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

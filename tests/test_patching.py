@@ -72,17 +72,18 @@ def test_plugin_imports_only_pytest():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_version_guard_names_installed_and_supported(monkeypatch):
+def test_a_release_below_the_floor_is_refused_naming_installed_and_floor(monkeypatch):
+    """The floors stay hard whatever the forms (transformers 5.16 is older than any release tested)."""
     import pyvene_dist
     from pyvene_dist import _versions
-    from pyvene_dist.fixes import parameters
 
-    monkeypatch.setitem(parameters.FIX.checked, "pyvene", "==9.9.9")
+    installed = _versions.installed_version
+    monkeypatch.setattr(_versions, "installed_version", lambda d: "5.16.0" if d == "transformers" else installed(d))
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     with pytest.raises(_versions.UnsupportedVersionError) as error:
         pyvene_dist.patch()
     message = str(error.value)
-    assert "pyvene 0.1.8 is installed" in message and "pyvene==9.9.9" in message
+    assert "transformers 5.16.0 is installed; pyvene_dist supports transformers>=5.17" in message
     assert _versions.ALLOW_ENV in message and "allow_unsupported=True" in message
     assert not pyvene_dist.is_patched()
 
@@ -259,23 +260,26 @@ def test_a_package_carrying_the_old_trainer_name_carries_both_halves(tmp_path, m
 
 
 def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_carry(monkeypatch):
-    """pyvene 0.2 (pretend) reports carrying every fix with a pyvene diff but ``parameters``: only the
-    ``parameters`` fix, checked on pyvene 0.1.8, refuses it; carrying that too, it is accepted."""
+    """pyvene 0.2 (pretend) reports carrying every fix with a pyvene diff but ``parameters``, and its
+    ``named_parameters`` is no form that fix knows: only ``parameters`` refuses it; carrying that too, it is
+    accepted (the changed function then belongs to no fix applied)."""
     import pyreft
     import pyvene
 
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist import _fingerprints_table, _versions
     from pyvene_dist.fixes import fixes
 
-    installed = _versions.installed_version
-    monkeypatch.setattr(_versions, "installed_version", lambda d: "0.2.0" if d == "pyvene" else installed(d))
+    monkeypatch.setitem(_fingerprints_table.KNOWN, "pyvene.models.intervenable_base:BaseModel.named_parameters",
+                        {"0123456789abcdef": ("0.2.0",)})
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     monkeypatch.setattr(pyreft, "FIXES", frozenset(f.name for f in fixes() if "pyreft" in f.upstream), raising=False)
     carried = {fix.name for fix in fixes() if "pyvene" in fix.upstream}
     monkeypatch.setattr(pyvene, "FIXES", frozenset(carried - {"parameters"}), raising=False)
-    with pytest.raises(_versions.UnsupportedVersionError, match=r"pyvene 0\.2\.0 is installed; pyvene_dist supports "
-                                                                r"pyvene==0\.1\.8 \(checked for the fixes parameters\)"):
+    with pytest.raises(_versions.UnsupportedVersionError,
+                       match=r"^the fix 'parameters' depends on pyvene\.models\.intervenable_base:BaseModel\."
+                             r"named_parameters, whose source here has the fingerprint e52cb39a23126512, and knows "
+                             r"0123456789abcdef \(0\.2\.0\)\. Nothing was patched\. .*exclude=\['parameters'\]"):
         pyvene_dist.patch()
     monkeypatch.setattr(pyvene, "FIXES", frozenset(carried), raising=False)
     with pyvene_dist.patched():

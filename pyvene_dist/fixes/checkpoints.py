@@ -77,24 +77,20 @@ TRANSFORMERS = "transformers.trainer"
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{PYVENE}:IntervenableModel.save_intervention", "_wrap_save_intervention", kind="replace",
-             fingerprint="19611e1304ec39d4"),
-        Site(f"{PYVENE}:IntervenableModel.load_intervention", "_wrap_load_intervention", kind="replace",
-             fingerprint="f8a2b60e835d33e2"),
+        Site(f"{PYVENE}:IntervenableModel.save_intervention", "_wrap_save_intervention", kind="replace"),
+        Site(f"{PYVENE}:IntervenableModel.load_intervention", "_wrap_load_intervention", kind="replace"),
         Site(f"{PYVENE}:IntervenableModel.save", "_wrap_save"),
         Site(f"{PYVENE}:IntervenableModel.load", "_wrap_load"),
         Site("pyreft.interventions:LoreftIntervention.state_dict", "_wrap_loreft_state_dict"),
         Site("pyreft.interventions:LoreftIntervention.load_state_dict", "_wrap_loreft_load_state_dict",
-             kind="replace", fingerprint="797643a93e01499d"),
-        Site("pyreft.reft_trainer:ReftTrainer.save_model", "_wrap_save_model",
-             kind="replace", fingerprint="d474bae7d6bf39cc"),
+             kind="replace"),
+        Site("pyreft.reft_trainer:ReftTrainer.save_model", "_wrap_save_model", kind="replace"),
         Site("pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model", "_wrap_save_model_on_every_rank",
-             kind="replace", fingerprint="0b6d3f310fbfca11"),
+             kind="replace"),
         Site("pyreft.reft_trainer:ReftTrainer._load_best_model", "_wrap_load_best_model"),
         Site(f"{TRANSFORMERS}:Trainer._load_from_checkpoint", "_wrap_load_from_checkpoint"),
     ),
     upstream=("pyvene", "pyreft"),
-    checked={"pyvene": "==0.1.8", "pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
 )
 #: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
 STATES_FILE = "intervention_states.bin"

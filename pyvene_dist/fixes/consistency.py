@@ -20,7 +20,6 @@ from ._models import intervenable_models
 FIX = Fix(
     __name__,
     sites=(Site("torch.nn.parallel.distributed:DistributedDataParallel.__init__", "_wrap_ddp_init"),),
-    checked={"torch": ">=2.11,<2.14"},
 )
 
 

@@ -55,7 +55,7 @@ FIX = Fix(
     ),
     after=("hooks",),  # a replica's hook record is that fix's, where it is applied (removes_only_its_hooks)
     state="DataParallelState",
-    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},
+    relies_on=("torch.nn.parallel.replicate:replicate",),  # its replicas' shared hook dicts and _is_replica mark
 )
 
 

@@ -29,16 +29,15 @@ FIX = Fix(
     __name__,
     sites=(
         Site("pyvene.models.basic_utils:count_parameters", "_wrap_count_parameters", kind="replace",
-             fingerprint="549d19d8c59a6798", reexported_in=("pyvene.models.intervenable_base",)),
+             reexported_in=("pyvene.models.intervenable_base",)),
         Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
         Site("pyvene.models.intervenable_base:IntervenableModel.__init__", "_wrap_model_init"),
         Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",  # pyreft's own copy of pyvene's
-             kind="replace", fingerprint="549d19d8c59a6798"),
+             kind="replace"),
         Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
-             kind="replace", fingerprint="314db834fd8f252a"),
+             kind="replace"),
     ),
     upstream=("pyvene", "pyreft"),
-    checked={"pyvene": "==0.1.8", "pyreft": "==0.1.0"},
 )
 
 

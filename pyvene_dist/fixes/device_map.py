@@ -40,7 +40,6 @@ FIX = Fix(
     ),
     requires=("wrapper_attributes",),  # HF Trainer sees a split model through the wrapper's hf_device_map
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

@@ -34,13 +34,10 @@ _UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", fingerprint="5bb3f955897f8a14",
-             reexported_in=(_BASE,)),
-        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", fingerprint="2963dcb49e1582fd",
-             reexported_in=(_BASE,)),
+        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", reexported_in=(_BASE,)),
+        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", reexported_in=(_BASE,)),
     ),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
     on_patch="_check_signatures",
 )
 

@@ -50,14 +50,21 @@ _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_BASE}:IntervenableModel.forward", "_forward_entry", kind="entry"),
-        Site(f"{_BASE}:IntervenableModel.generate", "_generate_entry", kind="entry"),
+        # a forward or generate other than 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
+        Site(f"{_BASE}:IntervenableModel.forward", "_forward_entry", kind="entry", any_form=True),
+        Site(f"{_BASE}:IntervenableModel.generate", "_generate_entry", kind="entry", any_form=True),
     ),
     # The general path it falls back to is theirs: applied first, their wraps stay under the entries.
     after=("gradient_checkpointing", "hooks", "locations", "devices", "parametrizations", "tensor_parallel"),
     state="FastPathState",
-    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only; a pyvene whose forward or
-    # generate differs from 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
+    # the plan calls what these do (Linear, Dropout, LinearActivation) when _call_impl would run only them
+    relies_on=(
+        "torch.nn.modules.module:Module._call_impl",
+        "torch.nn.modules.linear:Linear.forward",
+        "torch.nn.modules.dropout:Dropout.forward",
+        "torch.nn.functional:dropout",
+        "transformers.activations:LinearActivation.forward",
+    ),
 )
 #: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.

@@ -50,7 +50,6 @@ FIX = Fix(
     # record of a model's DTensor parameters, reset when fully_shard makes some.
     after=("consistency", "tensor_parallel"),
     state="FsdpState",
-    checked={"torch": ">=2.11,<2.14"},
 )
 
 

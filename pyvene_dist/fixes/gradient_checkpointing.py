@@ -67,7 +67,6 @@ FIX = Fix(
     requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
     state="CheckpointingState",
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

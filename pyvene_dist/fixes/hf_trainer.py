@@ -28,7 +28,6 @@ FIX = Fix(
         Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
     ),
     upstream=("pyreft",),
-    checked={"transformers": ">=5.17,<5.25"},
 )
 #: The batch keys pyreft's trainers read in ``compute_loss``.
 PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")

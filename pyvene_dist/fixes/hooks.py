@@ -63,12 +63,10 @@ FIX = Fix(
     sites=(
         Site(f"{_BASE}:IntervenableModel._intervention_getter", "_wrap_hook_factory"),
         Site(f"{_BASE}:IntervenableModel._intervention_setter", "_wrap_setter_factory"),
-        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", "_wrap_remove_forward_hooks", kind="replace",
-             fingerprint="f76d928fd9d68878"),
+        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", "_wrap_remove_forward_hooks", kind="replace"),
     ),
     state="HookState",
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

@@ -49,7 +49,6 @@ FIX = Fix(
     __name__,
     sites=(),  # it acts through fixes.orthogonal's ReftOrthogonal, on pyvene's interventions only
     requires=("orthogonal",),
-    checked={"torch": ">=2.11,<2.14"},
 )
 
 

@@ -57,7 +57,6 @@ FIX = Fix(
     sites=(Site("pyvene.models.intervenable_base:BaseModel._input_validation", "_wrap_input_validation"),),
     requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

@@ -103,8 +103,9 @@ FIX = Fix(
     # (householder's backward too, where that fix is applied; it requires this one, so it cannot be `after`.)
     after=("gradient_checkpointing",),
     state="OrthogonalState",
-    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14"},  # runtime-only, as data_parallel
     on_patch="_configure",
+    # ReftOrthogonal's eager path and graphs are its forward, op for op
+    relies_on=("torch.nn.utils.parametrizations:_Orthogonal.forward",),
 )
 
 

@@ -37,7 +37,6 @@ FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.interventions:Intervention.__getitem__", "first_of_the_old_pair", kind="add"),),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

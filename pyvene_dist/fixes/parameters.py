@@ -25,9 +25,8 @@ from .._records import Fix, Site
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.named_parameters", "_wrap_named_parameters",
-                kind="replace", fingerprint="e52cb39a23126512"),),
+                kind="replace"),),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

@@ -86,11 +86,10 @@ FIX = Fix(
         Site(f"{PYREFT}:ReftTrainer.compute_loss", "_wrap_compute_loss"),
         Site(f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss", "_wrap_compute_loss"),
         Site(f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader", "_wrap_trainers_train_dataloader",
-             kind="replace", fingerprint="5d116c2d76a8b831"),
+             kind="replace"),
         Site(f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader", "_wrap_trainers_train_dataloader",
-             kind="replace", fingerprint="e295c425aee95caf"),
-        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace",
-             fingerprint="a59f16e74668a8d4"),
+             kind="replace"),
+        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace"),
         Site(f"{PYREFT}:ReftTrainer.__init__", "_reft_trainer_init", kind="add"),
         Site(f"{PYREFT}:ReftTrainer.train", "_reft_trainer_train", kind="add"),
     ),
@@ -98,7 +97,12 @@ FIX = Fix(
     # wrapper_attributes: the checkpointing enablers of the pyvene model inside a wrapper.
     requires=("devices", "wrapper_attributes"),
     upstream=("pyreft",),
-    checked={"pyreft": "==0.1.0", "transformers": ">=5.17,<5.25"},
+    # the checkpointing enablers, the loss share, and the evaluate it replaces
+    relies_on=(
+        "transformers.trainer:Trainer.train",
+        "transformers.trainer:Trainer.compute_loss",
+        "transformers.trainer:Trainer.evaluate",
+    ),
 )
 #: ``Trainer.train`` calls the first of these the model has (transformers 5.2x; before, only the second).
 CHECKPOINTING_ENABLERS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")

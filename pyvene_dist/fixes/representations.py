@@ -25,7 +25,6 @@ FIX = Fix(
              reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
     ),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

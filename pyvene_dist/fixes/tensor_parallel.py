@@ -56,7 +56,6 @@ FIX = Fix(
         Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", "_wrap_wait_for_forward"),
     ),
     state="TensorParallelState",
-    checked={"pyvene": ">=0.1.8", "torch": ">=2.11,<2.14", "transformers": ">=5.17,<5.25"},  # runtime-only, as data_parallel
 )
 
 

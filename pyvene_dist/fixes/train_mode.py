@@ -19,12 +19,11 @@ FIX = Fix(
     __name__,
     sites=(
         Site("pyvene.models.intervenable_base:IntervenableModel.train", "_wrap_train",
-             kind="replace", fingerprint="24bda36b913e4fe1"),
+             kind="replace"),
         Site("pyvene.models.intervenable_base:IntervenableModel.eval", "_wrap_eval",
-             kind="replace", fingerprint="3d3307ad116ecba0"),
+             kind="replace"),
     ),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

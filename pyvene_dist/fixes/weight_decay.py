@@ -23,7 +23,6 @@ FIX = Fix(
     sites=(Site(f"{MODULE}:Trainer.get_decay_parameter_names", "_wrap_get_decay_parameter_names"),),
     requires=("parameters",),  # names parametrizations' originals by nn.Module's standard names
     upstream=("pyreft",),
-    checked={"transformers": ">=5.17,<5.25"},
 )
 
 

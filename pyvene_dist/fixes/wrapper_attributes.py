@@ -101,5 +101,4 @@ FIX = Fix(
           for name in ENABLERS),
     ),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )

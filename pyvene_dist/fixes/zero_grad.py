@@ -24,9 +24,8 @@ from .._records import Fix, Site
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.zero_grad", "_wrap_zero_grad",
-                kind="replace", fingerprint="1c63e00216189246"),),
+                kind="replace"),),
     upstream=("pyvene",),
-    checked={"pyvene": "==0.1.8"},
 )
 
 

@@ -58,27 +58,37 @@ def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
     rows = {row["name"]: row for row in json.loads(out)}
     assert list(rows) == [fix.name for fix in fixes()]
     assert all(row["applied"] and not row["reason"] for row in rows.values())  # CI's releases are the checked ones
-    assert rows["hooks"]["checked"] == {"pyvene": "==0.1.8"} and rows["hooks"]["installed"] == {"pyvene": "0.1.8"}
+    assert rows["hooks"]["checked"] == {"pyvene": ["0.1.8"]} and rows["hooks"]["installed"] == {"pyvene": "0.1.8"}
+    assert rows["hooks"]["fingerprint"] == "unchanged" and rows["hooks"]["changed"] == []
+    assert rows["pyreft_trainer"]["checked"]["pyreft"] == ["0.1.0", "0.1.0+git.dafd099"]  # its git main's forms too
     assert rows["pyreft_trainer"]["fixes"] == "pyreft's trainers work with HF Trainer as it is today, under torchrun too."
     code, out, _ = run(capsys, "fixes")
     assert code == 0 and out.splitlines()[-1] == f"{len(rows)} of {len(rows)} fixes applied here by pyvene_dist.patch()"
-    assert "hooks: applied; checked on pyvene==0.1.8" in out.splitlines()
+    assert "hooks: applied; checked on pyvene 0.1.8; fingerprint unchanged" in out.splitlines()
 
 
-def test_fixes_says_which_a_newer_pyvene_would_leave_out_and_why(capsys, monkeypatch):
+def test_fixes_applies_a_newer_release_with_the_same_functions_and_names_a_changed_one(capsys, monkeypatch):
+    from pyvene_dist import _fingerprints_table
+
     real = _versions.installed_version
     monkeypatch.setattr(_versions, "installed_version", lambda name: "0.2.0" if name == "pyvene" else real(name))
     code, out, _ = run(capsys, "fixes", "--json")
     rows = {row["name"]: row for row in json.loads(out)}
-    refused = {name for name, row in rows.items() if not row["applied"]}
-    # By hand from the records: checked on pyvene ==0.1.8 exactly (data_parallel, orthogonal, tensor_parallel and
-    # fast_path, which compares pyvene's sources itself, take >=0.1.8; consistency, fsdp, householder,
-    # weight_decay, pyreft_trainer and hf_trainer do not depend on pyvene).
-    assert refused == set(rows) - {"data_parallel", "orthogonal", "tensor_parallel", "fast_path", "consistency",
-                                   "fsdp", "householder", "weight_decay", "pyreft_trainer",
-                                   "hf_trainer"}
-    assert rows["hooks"]["reason"] == ("patch() refuses: pyvene 0.2.0 is installed; pyvene_dist supports "
-                                       "pyvene==0.1.8 (checked for the fixes hooks)")
+    assert all(row["applied"] and row["fingerprint"] == "unchanged" for row in rows.values())
+    assert rows["hooks"]["checked"] == {"pyvene": ["0.1.8"]} and rows["hooks"]["installed"] == {"pyvene": "0.2.0"}
+
+    target = "pyvene.models.intervenable_base:IntervenableModel._remove_forward_hooks"
+    monkeypatch.setitem(_fingerprints_table.KNOWN, target, {"0123456789abcdef": ("0.2.0",)})  # not the one here
+    code, out, _ = run(capsys, "fixes", "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert not any(row["applied"] for row in rows.values())  # patch() refuses them all, as it applies none
+    assert rows["hooks"]["fingerprint"] == "changed" and rows["hooks"]["changed"] == [target]
+    assert rows["hooks"]["reason"] == (f"patch() refuses: the fix 'hooks' depends on {target}, whose source here has "
+                                       "the fingerprint f76d928fd9d68878, and knows 0123456789abcdef (0.2.0)")
+    assert rows["zero_grad"]["fingerprint"] == "unchanged"
+    assert rows["zero_grad"]["reason"] == "patch() refuses: functions of 'hooks' changed (see those fixes)"
+    code, out, _ = run(capsys, "fixes")
+    assert f"hooks: not applied; checked on pyvene none recorded; fingerprint changed: {target}" in out.splitlines()
 
 
 @pytest.mark.parametrize("layers", ["2,x", "two"])
