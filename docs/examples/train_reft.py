@@ -13,6 +13,8 @@ The interventions are saved once, in pyreft's format (``ReftModel.save``), to ``
 (default ``OUTPUT_DIR/reft``), with ``train_settings.json`` beside them (the model, layers, positions,
 shared weights, dtype): ``docs/examples/serve_reft.py --interventions OUTPUT_DIR/reft`` answers with them.
 Examples are cut to ``--model_max_length`` tokens (default: the model's ``max_position_embeddings``).
+``--resume_from_checkpoint OUTPUT_DIR/checkpoint-N`` (or ``True``: the newest in ``--output_dir``) continues a run
+that saved checkpoints (``--save_strategy steps --save_steps N``) where it stopped.
 """
 
 import dataclasses
@@ -69,7 +71,29 @@ def parse_arguments(argv=None):
         warnings.warn(f"--layers {reft_args.layers!r}: separate layers with commas, as "
                       f"{reft_args.layers.replace(';', ',')}; ';' will stop working", FutureWarning, stacklevel=2)
         reft_args.layers = reft_args.layers.replace(";", ",")
+    training_args.resume_from_checkpoint = checkpoint_to_resume(parser, training_args)
     return reft_args, training_args
+
+
+def checkpoint_to_resume(parser, training_args):
+    """``--resume_from_checkpoint`` as HF Trainer reads ``train(resume_from_checkpoint=...)``: a checkpoint folder,
+    or ``True`` (also ``last``) for the newest ``checkpoint-N`` in ``--output_dir``; None to start afresh. A
+    folder that is not there, or no checkpoint to take the newest of, stops here, before any model is loaded."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    given = training_args.resume_from_checkpoint
+    if given is None:
+        return None
+    if given.lower() in ("true", "last"):
+        found = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if found is None:
+            parser.error(f"--resume_from_checkpoint {given}: --output_dir {training_args.output_dir} holds no "
+                         "checkpoint-N folder to resume from; name a checkpoint folder, or leave the flag out")
+        return found
+    if not os.path.isdir(given):
+        parser.error(f"--resume_from_checkpoint {given}: no such folder; name a checkpoint folder that a run saved "
+                     "(OUTPUT_DIR/checkpoint-N), or pass True for the newest one in --output_dir")
+    return given
 
 
 def load_model(reft_args):
@@ -154,7 +178,7 @@ def main(argv=None):
         num_interventions=len(reft_model.interventions), share_weights=reft_args.share_weights)
     trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=training_args,
                                             **data_module)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the log, every logged loss included
 
     # Save once, in pyreft's format (the files save_to_hf_hub uploads). Every rank takes part: under

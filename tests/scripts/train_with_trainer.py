@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node 2 train_with_trainer.py OUT.pt [--trainer ReftTrainer] [--model llama]
         [--eval-examples N] [--unpatched]
+
+``--fsdp 2`` on a machine without GPUs runs HF Trainer's FSDP2 over gloo: accelerate applies FSDP on GPUs only
+(on CPU it trains DDP), so the accelerator HF Trainer makes is told it runs on GPUs while it is made, and takes
+the FSDP plugin (``fsdp_on_cpu``). HF Trainer then shards, saves and resumes as it does on GPUs: DCP checkpoints,
+``_load_from_checkpoint(checkpoint, model_wrapped)`` after ``prepare``.
 """
 
 import argparse
@@ -28,10 +33,33 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--output-dir", help="keep checkpoints here (default: a temporary folder)")
 parser.add_argument("--save-steps", type=int, help="write a checkpoint every N steps")
 parser.add_argument("--resume-from", help="a checkpoint folder to resume from")
-parser.add_argument("--fsdp", type=int, choices=(1, 2), help="HF Trainer's FSDP, this version (GPUs only)")
+parser.add_argument("--fsdp", type=int, choices=(1, 2), help="HF Trainer's FSDP, this version (2 runs on CPU too)")
+parser.add_argument("--frozen-head", action="store_true", help="train the interventions alone (no lm_head)")
 parser.add_argument("--deepspeed", help="HF Trainer's DeepSpeed: a ZeRO stage (1, 2, 3, 3-offload) or a JSON file")
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
+
+
+def fsdp_on_cpu() -> None:
+    """Make accelerate apply HF Trainer's FSDP plugin on CPU: ``AcceleratorState`` takes it only in a GPU world
+    type, which it copies from ``PartialState`` when made. That type reads as ``MULTI_GPU`` while HF Trainer makes
+    its accelerator (the device stays the CPU), and as before after."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    from transformers import Trainer
+
+    make = Trainer.create_accelerator_and_postprocess
+
+    def create_accelerator_and_postprocess(self, *args, **kwargs):
+        shared = PartialState._shared_state
+        world_type, shared["distributed_type"] = shared["distributed_type"], DistributedType.MULTI_GPU
+        try:
+            return make(self, *args, **kwargs)
+        finally:
+            shared["distributed_type"] = world_type
+
+    Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+
 if not options.unpatched:
     helpers.patch()
 overrides = {}
@@ -41,11 +69,14 @@ if options.resume_from:
     overrides.update(resume_from_checkpoint=options.resume_from)
 if options.fsdp:
     overrides.update(fsdp=True, fsdp_config={"version": options.fsdp})
+    if options.fsdp == 2 and not torch.cuda.is_available():
+        fsdp_on_cpu()
 if options.deepspeed:
     overrides.update(deepspeed=options.deepspeed if options.deepspeed.endswith(".json") else
                      deepspeed_config(options.deepspeed))
 with tempfile.TemporaryDirectory() as scratch:
-    record = train_with_trainer(ParityCase(model=options.model, steps=options.steps), options.output_dir or scratch,
+    case = ParityCase(model=options.model, steps=options.steps, trainable_head=not options.frozen_head)
+    record = train_with_trainer(case, options.output_dir or scratch,
                                 trainer_class=options.trainer, eval_examples=options.eval_examples, **overrides)
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save(dataclasses.asdict(record), options.out)
