@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         row = make_row(known[name], installed_versions(venv), measured, build_record, commit=commit_label(),
                        date=datetime.date.today().isoformat(), machine=arguments.machine,
                        allow_unsupported=arguments.allow_unsupported,
-                       venv_state="reused" if arguments.reuse else "fresh", install_seconds=install_seconds)
+                       venv_state=venv_state(venv, arguments.reuse), install_seconds=install_seconds)
         arguments.results.parent.mkdir(parents=True, exist_ok=True)
         with open(arguments.results, "a") as out:
             out.write(json.dumps(row) + "\n")
@@ -428,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"version_matrix: {name}: {table_cells(row)}", file=sys.stderr)
     print(table(rows))
     return 0 if rows and all(passed(row) for row in rows) and len(rows) == len(chosen) else 1
+
+
+def venv_state(venv: Path, reused: bool) -> str:
+    """``fresh`` (built by this run), or when the venv built before was made (its pyvenv.cfg)."""
+    if not reused:
+        return "fresh"
+    made = datetime.datetime.fromtimestamp((venv / "pyvenv.cfg").stat().st_mtime, datetime.timezone.utc)
+    return f"reused, built {made:%Y-%m-%d %H:%M} UTC"
 
 
 def passed(row: dict) -> bool:

@@ -171,3 +171,10 @@ def test_an_unknown_column_is_refused_by_name(capsys):
     assert matrix.main(["--columns", "oldest,latest", "--venvs", "/nonexistent"]) == 2
     assert capsys.readouterr().err.strip() == (
         "version_matrix: unknown column latest; expected one of oldest, newest, pyreft-main, pinned")
+
+
+def test_a_reused_venv_says_when_it_was_built(tmp_path):
+    (tmp_path / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    os.utime(tmp_path / "pyvenv.cfg", (1796400000, 1796400000))  # 2026-12-04 16:00 UTC
+    assert matrix.venv_state(tmp_path, reused=True) == "reused, built 2026-12-04 16:00 UTC"
+    assert matrix.venv_state(tmp_path, reused=False) == "fresh"
