@@ -5,6 +5,7 @@ In-process tests cover the pieces (model loading, the device_map split, usage ch
 runs the command itself; the GPU test is the 2-GPU table the docs quote."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,26 @@ def test_gpu_only_strategies_are_listed_once_with_their_reason(monkeypatch):
     assert planned == [("ddp", 1), ("ddp", 2), ("dataparallel", 2), ("device_map", 2), ("fsdp1", 1), ("fsdp1", 2)]
     assert check.reason("fsdp1", 2) == "needs 2 GPUs, found 0"
     assert check.reason("device_map", 2) == "needs 2 GPUs, found 0"
+
+
+def quickstart_sample() -> list[tuple[str, str, str]]:
+    """(strategy, world, verdict) of each row of docs/quickstart.md's sample `pyvene-dist check` output."""
+    text = (Path(__file__).parents[2] / "docs" / "quickstart.md").read_text()
+    block = text[text.index("$ pyvene-dist check\n"):]
+    lines = block[:block.index("```")].splitlines()[2:]  # after the command and the header
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines if not line.startswith("peak mem:")]
+    return [(row[0], row[1], row[-1]) for row in rows]
+
+
+def test_the_quickstart_sample_is_what_check_runs_on_cpu(monkeypatch):
+    """Its rows are check's, in check's order, at the CPU's default world size: those this CPU machine runs agree,
+    the rest say why not as check does (the sample of b0b1170 had no tp, tp-fsdp2 or hsdp row)."""
+    monkeypatch.setattr(check, "gpu_count", lambda: 0)
+    (world,) = check.default_world_sizes()
+    expected = [(check.REFERENCE, "1", "reference")] + [
+        (name, str(size), "agrees" if why is None else f"unavailable: {why}")
+        for name, size in check.plan(check.CHECKED, [world]) for why in [check.reason(name, size)]]
+    assert quickstart_sample() == expected
 
 
 def test_a_missing_package_is_the_reason(monkeypatch):
