@@ -285,22 +285,24 @@ def record(fixes: Iterable["Fix"], root: str | os.PathLike | None = None,
     return table, files
 
 
+def _literal(mapping: dict, depth: int = 1) -> str:
+    """``mapping`` as a Python literal, one key a line, nested mappings indented below their key."""
+    pad = "    " * depth
+    lines = [f"{pad}{key!r}: {_literal(value, depth + 1) if isinstance(value, dict) else repr(value)},"
+             for key, value in mapping.items()]
+    return "{\n" + "\n".join(lines) + "\n" + "    " * (depth - 1) + "}"
+
+
 def write(table: Table, file: Path = TABLE) -> None:
     known_forms, files = table
-    entries = "".join(
-        f"    {path!r}: {{\n" + "".join(f"        {form!r}: {tuple(releases)!r},\n" for form, releases in forms.items())
-        + "    },\n" for path, forms in sorted(known_forms.items()))
-    indexed = "".join(
-        f"    {module!r}: {{\n" + "".join(
-            f"        {digest!r}: {{\n" + "".join(f"            {name!r}: {form!r},\n" for name, form in sorted(forms.items()))
-            + "        },\n" for digest, forms in found.items())
-        + "    },\n" for module, found in sorted(files.items()))
+    files = {module: {digest: dict(sorted(forms.items())) for digest, forms in found.items()}
+             for module, found in files.items()}
     file.write_text(
-        '"""The forms of the functions pyvene_dist\'s fixes depend on (``_fingerprints``). Generated: after a run passes\n'
-        "on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR --release\n"
-        'NAME=RELEASE`` a source tree\'s). Edit by re-recording, not by hand."""\n\n'
+        '"""The forms of the functions pyvene_dist\'s fixes depend on (``_fingerprints``). Generated: after a run\n'
+        "passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR\n"
+        '--release NAME=RELEASE`` a source tree\'s). Edit by re-recording, not by hand."""\n\n'
         "#: Target -> {source fingerprint: the releases it was seen and tested with}.\n"
-        f"KNOWN = {{\n{entries}}}\n\n"
-        "#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded needs no reading.\n"
-        f"FILES = {{\n{indexed}}}\n"
+        f"KNOWN = {_literal(dict(sorted(known_forms.items())))}\n\n"
+        "#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded is not read.\n"
+        f"FILES = {_literal(dict(sorted(files.items())))}\n"
     )

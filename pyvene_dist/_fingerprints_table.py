@@ -1,6 +1,6 @@
-"""The forms of the functions pyvene_dist's fixes depend on (``_fingerprints``). Generated: after a run passes
-on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR --release
-NAME=RELEASE`` a source tree's). Edit by re-recording, not by hand."""
+"""The forms of the functions pyvene_dist's fixes depend on (``_fingerprints``). Generated: after a run
+passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR
+--release NAME=RELEASE`` a source tree's). Edit by re-recording, not by hand."""
 
 #: Target -> {source fingerprint: the releases it was seen and tested with}.
 KNOWN = {
@@ -211,7 +211,7 @@ KNOWN = {
     },
 }
 
-#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded needs no reading.
+#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded is not read.
 FILES = {
     'pyreft.interventions': {
         'ecd9f0cdea62bafe': {

@@ -66,7 +66,8 @@ def rows() -> list[Row]:
 def table(found: list[Row]) -> str:
     lines = []
     for row in found:
-        checked = "; ".join(f"{name} {', '.join(releases) or 'none recorded'}" for name, releases in row.checked.items())
+        checked = "; ".join(f"{name} {', '.join(releases) or 'none recorded'}"
+                            for name, releases in row.checked.items())
         state = "fingerprint unchanged" if not row.changed else f"fingerprint changed: {', '.join(row.changed)}"
         lines += [f"{row.name}: {'applied' if row.applied else 'not applied'}; checked on "
                   f"{checked or 'any release (it depends on no function it could check)'}; {state}",
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the fixes as JSON instead of text")
     parser.add_argument("--record", action="store_true",
                         help="add the forms of the functions the fixes depend on, as installed here, to the table of "
-                             f"known forms ({_fingerprints.TABLE.name}); run it after the suite passed here")
+                             f"known forms ({_fingerprints.TABLE.name}); run it after the suite passed here. A "
+                             "release is recorded by its version number (+git.<commit> where pip installed it from "
+                             "git): a checkout installed from a folder carries its release's number, so record it "
+                             "with --source and --release instead")
     parser.add_argument("--source", metavar="DIR",
                         help="with --record: read the forms from this folder (a source tree such as a git checkout "
                              "of pyreft, holding the package folder) instead of the installed packages")

@@ -97,7 +97,8 @@ def test_a_changed_pyreft_is_refused_at_patch_without_importing_it(tmp_path):
     shutil.copytree(Path(pyreft.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
     trainer = copy / "reft_trainer.py"
     source = trainer.read_text()
-    assert source.count("    def save_model(self, output_dir, _internal_call=False):\n") == 2  # the first is ReftTrainer's
+    # the first of two is ReftTrainer's
+    assert source.count("    def save_model(self, output_dir, _internal_call=False):\n") == 2
     trainer.write_text(source.replace("    def save_model(self, output_dir, _internal_call=False):\n",
                                       "    def save_model(self, output_dir, _internal_call=False):\n        pass\n", 1))
     out = run(f"""
@@ -168,9 +169,10 @@ def test_forms_read_from_the_files_are_those_of_the_imported_functions(from_byte
 
     targets = {target for fix in fixes() for target in _fingerprints.targets(fix)}
     assert len(targets) > 60
-    differ = [f"{target.path}: file {_fingerprints.static_fingerprint(target, from_bytecode=from_bytecode)}, "
-              f"imported {fingerprint(_imported(target))}" for target in sorted(targets, key=lambda t: t.path)
-              if _fingerprints.static_fingerprint(target, from_bytecode=from_bytecode) != fingerprint(_imported(target))]
+    found = {target.path: (_fingerprints.static_fingerprint(target, from_bytecode=from_bytecode),
+                           fingerprint(_imported(target))) for target in targets}
+    differ = [f"{path}: file {read}, imported {imported}" for path, (read, imported) in sorted(found.items())
+              if read != imported]
     assert not differ, differ
     index = _fingerprints.known_files()  # a file as recorded answers from the table: the same forms
     assert all(_fingerprints.static_fingerprint(target, index=index) == fingerprint(_imported(target))
