@@ -237,8 +237,9 @@ def check_summary(returncode: int, stdout: str, stderr: str) -> dict:
         verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
     wrong = [f"{row['strategy']} x{row['world_size']}: {row['verdict']}" for row in rows
              if row["verdict"] in ("differs", "failed")]
+    unavailable = [f"{row['strategy']} x{row['world_size']}" for row in rows if row["verdict"] == "unavailable"]
     return {"verdict": "passed" if returncode == 0 else "failed", "exit_code": returncode, "rows": verdicts,
-            "wrong": wrong}
+            "wrong": wrong, "unavailable": unavailable}
 
 
 def installed_versions(venv: Path) -> dict:
@@ -284,6 +285,7 @@ def run_column(column: Column, venv: Path, allow_unsupported: bool, log) -> dict
                            capture_output=True, text=True)
     check_seconds = time.monotonic() - started
     log.write(check.stderr)
+    Path(f"{venv}.check.json").write_text(check.stdout)  # the rows in full, each unavailable one with its reason
     return {"pytest": {**counts, "exit_code": tests.returncode, "seconds": round(pytest_seconds, 1)},
             "check": {**check_summary(check.returncode, check.stdout, check.stderr),
                       "seconds": round(check_seconds, 1)}}

@@ -107,7 +107,7 @@ def test_the_check_verdict_names_what_differs():
             {"strategy": "dataparallel", "world_size": 2, "verdict": "unavailable"}]
     assert matrix.check_summary(1, json.dumps(rows), "") == {
         "verdict": "failed", "exit_code": 1, "rows": {"reference": 1, "agrees": 1, "differs": 1, "unavailable": 1},
-        "wrong": ["fsdp2 x2: differs"]}
+        "wrong": ["fsdp2 x2: differs"], "unavailable": ["dataparallel x2"]}
     assert matrix.check_summary(1, "", "Traceback ...\nUnsupportedVersionError: torch 2.15.0\n\n") == {
         "verdict": "error", "exit_code": 1, "detail": "UnsupportedVersionError: torch 2.15.0"}
 
