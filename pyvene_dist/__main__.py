@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
     listing = commands.add_parser(
         "fixes", help="list the fixes and whether patch() applies them here",
         description="List every fix: what it fixes, whether pyvene_dist.patch() applies it in this environment "
-                    "(not when upstream carries it, or when a release is outside those it was checked on), and "
-                    "the releases it was checked on.")
+                    "(not when upstream carries it, or when a function it depends on changed to a form not checked), "
+                    "the releases it was checked on, and whether those functions are unchanged here.")
     listing.add_argument("--json", action="store_true", help="print the fixes as JSON instead of text")
 
     tiny = commands.add_parser(
