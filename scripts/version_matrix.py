@@ -328,9 +328,12 @@ TABLE_COLUMNS = ("column", "torch", "transformers", "accelerate", "deepspeed", "
 def table_cells(row: dict) -> tuple[str, ...]:
     versions, tests = row["versions"], row["pytest"]
     failed = tests["failed"] + tests["errors"]
+    # pytest's exit codes 2-5 (interrupted, internal error, usage error, no tests) leave no counts to show
+    outcome = f"{tests['passed']}/{failed}/{tests['skipped']}" if tests["exit_code"] in (0, 1) else (
+        f"pytest exit {tests['exit_code']}")
     return (row["column"] + (" (allow-unsupported)" if row["allow_unsupported"] else ""),
             *(str(versions.get(name) or "-") for name in TABLE_COLUMNS[1:7]), row["pyreft"],
-            f"{tests['passed']}/{failed}/{tests['skipped']}", row["check"]["verdict"], f"{row['seconds']['wall']:.0f}")
+            outcome, row["check"]["verdict"], f"{row['seconds']['wall']:.0f}")
 
 
 def table(rows: list[dict]) -> str:

@@ -157,6 +157,12 @@ def test_the_table_has_a_line_per_row():
     ]
 
 
+def test_a_suite_that_did_not_run_shows_pytest_s_exit_code_not_zero_counts():
+    stopped = _row()
+    stopped["pytest"] = {**MEASURED["pytest"], "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 4}
+    assert matrix.table_cells(stopped)[8] == "pytest exit 4"
+
+
 def test_the_table_option_shows_the_last_row_of_each_column(tmp_path, capsys):
     results = tmp_path / "rows.jsonl"
     newest = {**_row(), "column": "newest"}
