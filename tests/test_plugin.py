@@ -187,11 +187,17 @@ def test_a_test_starting_its_own_ranks_is_skipped_where_a_rank_would_have_no_gpu
         pytest_plugin.pytest_runtest_setup(item)
 
 
-def test_the_torchrun_deepspeed_test_says_how_many_ranks_it_starts():
-    """The marker is on the test, so the skip above applies to it."""
-    from fixes import test_deepspeed
+@pytest.mark.parametrize("module, test", [
+    ("fixes.test_deepspeed", "test_hf_trainer_deepspeed_under_torchrun_matches_one_process"),
+    ("strategies.test_launchers", "test_torchrun_pyreft_trainer_matches_one_process"),
+    ("strategies.test_launchers", "test_torchrun_resume_from_checkpoint_continues_exactly"),
+])
+def test_the_launchers_that_take_a_gpu_per_rank_say_how_many_ranks_they_start(module, test):
+    """The marker is on each test whose ranks run on the GPUs where there are some (no ``--use_cpu``), so the skip
+    above applies to them; the launchers that pass ``--use_cpu`` or ``ACCELERATE_USE_CPU`` run anywhere."""
+    import importlib
 
-    marks = test_deepspeed.test_hf_trainer_deepspeed_under_torchrun_matches_one_process.pytestmark
+    marks = getattr(importlib.import_module(module), test).pytestmark
     assert [mark.args for mark in marks if mark.name == "ranks"] == [(2,)]
 
 

@@ -29,6 +29,7 @@ TRAINERS = [
 ]
 
 
+@pytest.mark.ranks(2)  # train_with_trainer.py runs on the GPUs where there are some: rank 1 takes cuda:1
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
     single = launch(tmp_path, 1, "--trainer", *trainer)
@@ -42,6 +43,7 @@ def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
         assert single.metrics["eval_examples"] == 7
 
 
+@pytest.mark.ranks(2)
 @pytest.mark.parametrize("strategy", [pytest.param((), id="ddp"), pytest.param(("--deepspeed", "3"), id="zero3")])
 def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path, strategy):
     """Under ZeRO-3 the checkpoint is DeepSpeed's own (each rank's partitions of weights and optimizer state)."""
