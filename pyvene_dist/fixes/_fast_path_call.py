@@ -160,13 +160,14 @@ def _operations(intervention):
     None, and the module is called, wherever the call could do something else: another type or a subclass
     (FSDP2's ``fully_shard`` makes one), a forward that is not pyreft 0.1.0's, one set on an instance, a
     hook on any of its modules (DeepSpeed ZeRO-3 gathers parameters in one) or a global one, an in-place
-    dropout, a jit trace (module calls record scopes) or a compiled graph (where module calls cost nothing
-    at run time)."""
+    dropout, a jit trace (module calls record scopes: ``Module._call_impl`` calls ``_slow_forward`` where
+    ``torch._C._is_tracing()``, the test asked here; torch 2.15 asks it, 2.11-2.14 asked ``_get_tracing_state()``,
+    which agrees with it there) or a compiled graph (where module calls cost nothing at run time)."""
     reft = sys.modules.get("pyreft.interventions")
     kind = type(intervention)
     form = _FORMS.get(kind.__name__)
     if reft is None or form is None or kind is not getattr(reft, kind.__name__) or torch.compiler.is_compiling() \
-            or torch._C._get_tracing_state() is not None or _global_hooks() \
+            or torch._C._is_tracing() or _global_hooks() \
             or not _written_from(kind.forward, f"{kind.__name__}.forward"):
         return None
     rotate, source, act, dropout = (intervention.rotate_layer, intervention.learned_source, intervention.act_fn,

@@ -203,6 +203,21 @@ def test_an_intervention_whose_call_does_more_is_called_as_a_module(kind, change
         assert torch.equal(_logits(reft, ids, locations).logits, plain)
 
 
+def test_in_a_jit_trace_the_intervention_is_called_as_a_module(monkeypatch):
+    """In a jit trace ``Module._call_impl`` records each module's scope (``_slow_forward``), so the operations
+    stand aside there. They ask the test ``_call_impl`` asks, ``torch._C._is_tracing()`` since torch 2.15 (before,
+    ``_get_tracing_state()``, which agrees with it): a trace that only it reports sends the call to the module."""
+    from pyvene_dist.fixes._fast_path_call import _operations
+
+    intervention = _first(_reft())
+    in_trace = []
+    torch.jit.trace(lambda x: in_trace.append(_operations(intervention)) or x * 2, torch.ones(2), check_trace=False)
+    assert in_trace and in_trace == [None] * len(in_trace)
+    assert _operations(intervention) is not None
+    monkeypatch.setattr(torch._C, "_is_tracing", lambda: True)
+    assert _operations(intervention) is None
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_token_generation_runs_the_operations_and_is_stock_pyvene(kind):
     reft, (ids, _) = _reft(kind=kind), _inputs()
