@@ -145,73 +145,78 @@ KNOWN = {
     'torch.distributed.fsdp._fully_shard._fully_shard:fully_shard': {
         '9a3296bbf4f8f895': ('2.13.0',),
         '52398820d16a2361': ('2.11.0',),
+        'f18b191885f51a62': ('2.15.0',),
     },
     'torch.distributed.fsdp._fully_shard:fully_shard': {
         '9a3296bbf4f8f895': ('2.13.0',),
         '52398820d16a2361': ('2.11.0',),
+        'f18b191885f51a62': ('2.15.0',),
     },
     'torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__': {
-        '9fbb399e395565a8': ('2.11.0', '2.13.0'),
+        '9fbb399e395565a8': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.distributed.fsdp:fully_shard': {
         '9a3296bbf4f8f895': ('2.13.0',),
         '52398820d16a2361': ('2.11.0',),
+        'f18b191885f51a62': ('2.15.0',),
     },
     'torch.nn.functional:dropout': {
-        'de4ee9f332ff8254': ('2.11.0', '2.13.0'),
+        'de4ee9f332ff8254': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.nn.modules.dropout:Dropout.forward': {
-        '00f268cdc994d862': ('2.11.0', '2.13.0'),
+        '00f268cdc994d862': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.nn.modules.linear:Linear.forward': {
-        '76181b0142f43480': ('2.11.0', '2.13.0'),
+        '76181b0142f43480': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.nn.modules.module:Module._call_impl': {
         'b3e906e8894df01a': ('2.11.0', '2.13.0'),
+        'b2dda8540637847d': ('2.15.0',),
     },
     'torch.nn.parallel.data_parallel:DataParallel.replicate': {
-        '24085ea5d58aa1fd': ('2.11.0', '2.13.0'),
+        '24085ea5d58aa1fd': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.nn.parallel.data_parallel:DataParallel.scatter': {
-        'b9e3e06ec85907e8': ('2.11.0', '2.13.0'),
+        'b9e3e06ec85907e8': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'torch.nn.parallel.distributed:DistributedDataParallel.__init__': {
         'c3b695e1e6bf23f3': ('2.13.0',),
         'b24e2b1453cbc8be': ('2.11.0',),
+        'bcfa8765fb8cba7c': ('2.15.0',),
     },
     'torch.nn.parallel.replicate:replicate': {
-        '83ae0960fdb0d08d': ('2.13.0',),
+        '83ae0960fdb0d08d': ('2.13.0', '2.15.0'),
         '1a142bee24785c03': ('2.11.0',),
     },
     'torch.nn.utils.parametrizations:_Orthogonal.forward': {
-        '5bfb105bed649a2b': ('2.11.0', '2.13.0'),
+        '5bfb105bed649a2b': ('2.11.0', '2.13.0', '2.15.0'),
     },
     'transformers.activations:LinearActivation.forward': {
-        'e9cadc4c0a27bfd2': ('5.17.0', '5.24.0'),
+        'e9cadc4c0a27bfd2': ('5.17.0', '5.24.0', '5.25.0'),
     },
     'transformers.trainer:Trainer._load_from_checkpoint': {
-        '1fa7425d1ea7cc18': ('5.24.0',),
+        '1fa7425d1ea7cc18': ('5.24.0', '5.25.0'),
         '39f4f0890ea22740': ('5.17.0',),
     },
     'transformers.trainer:Trainer._set_signature_columns_if_needed': {
-        'e10ded1c3e2e5f24': ('5.17.0', '5.24.0'),
+        'e10ded1c3e2e5f24': ('5.17.0', '5.24.0', '5.25.0'),
     },
     'transformers.trainer:Trainer.compute_loss': {
-        '30eb16e597ada0b9': ('5.24.0',),
+        '30eb16e597ada0b9': ('5.24.0', '5.25.0'),
         '1d58d1479f8f5989': ('5.17.0',),
     },
     'transformers.trainer:Trainer.create_accelerator_and_postprocess': {
-        '8ce6b18b6c682c6e': ('5.24.0',),
+        '8ce6b18b6c682c6e': ('5.24.0', '5.25.0'),
         '59675ab578b3239c': ('5.17.0',),
     },
     'transformers.trainer:Trainer.evaluate': {
-        'ce448ad06606289f': ('5.17.0', '5.24.0'),
+        'ce448ad06606289f': ('5.17.0', '5.24.0', '5.25.0'),
     },
     'transformers.trainer:Trainer.get_decay_parameter_names': {
-        '5b5b4ea618c87dd8': ('5.17.0', '5.24.0'),
+        '5b5b4ea618c87dd8': ('5.17.0', '5.24.0', '5.25.0'),
     },
     'transformers.trainer:Trainer.train': {
-        '0bc847a1e101c362': ('5.24.0',),
+        '0bc847a1e101c362': ('5.24.0', '5.25.0'),
         'e8a272bcd2dbc9ef': ('5.17.0',),
     },
 }
@@ -299,9 +304,15 @@ FILES = {
         'bd51118b2efcb3b6': {
             'fully_shard': '52398820d16a2361',
         },
+        'fcff8a351d6bc403': {
+            'fully_shard': 'f18b191885f51a62',
+        },
     },
     'torch.distributed.fsdp.fully_sharded_data_parallel': {
         '1533c88f7549ced1': {
+            'FullyShardedDataParallel.__init__': '9fbb399e395565a8',
+        },
+        '8feb0c1781ea264b': {
             'FullyShardedDataParallel.__init__': '9fbb399e395565a8',
         },
     },
@@ -310,6 +321,9 @@ FILES = {
             'dropout': 'de4ee9f332ff8254',
         },
         '06f330c5ce12f7a7': {
+            'dropout': 'de4ee9f332ff8254',
+        },
+        '5a3bacfc98d3a3b7': {
             'dropout': 'de4ee9f332ff8254',
         },
     },
@@ -336,6 +350,9 @@ FILES = {
         '0758af0e6a4214bc': {
             'Module._call_impl': 'b3e906e8894df01a',
         },
+        '6e1d498b3b199772': {
+            'Module._call_impl': 'b2dda8540637847d',
+        },
     },
     'torch.nn.parallel.data_parallel': {
         '7420bb5408a5169e': {
@@ -353,6 +370,9 @@ FILES = {
         },
         'cb4a5fbb455e9915': {
             'DistributedDataParallel.__init__': 'b24e2b1453cbc8be',
+        },
+        'ff36d22a7d8d7671': {
+            'DistributedDataParallel.__init__': 'bcfa8765fb8cba7c',
         },
     },
     'torch.nn.parallel.replicate': {
@@ -394,6 +414,15 @@ FILES = {
             'Trainer.evaluate': 'ce448ad06606289f',
             'Trainer.get_decay_parameter_names': '5b5b4ea618c87dd8',
             'Trainer.train': 'e8a272bcd2dbc9ef',
+        },
+        '44ce713470a301ec': {
+            'Trainer._load_from_checkpoint': '1fa7425d1ea7cc18',
+            'Trainer._set_signature_columns_if_needed': 'e10ded1c3e2e5f24',
+            'Trainer.compute_loss': '30eb16e597ada0b9',
+            'Trainer.create_accelerator_and_postprocess': '8ce6b18b6c682c6e',
+            'Trainer.evaluate': 'ce448ad06606289f',
+            'Trainer.get_decay_parameter_names': '5b5b4ea618c87dd8',
+            'Trainer.train': '0bc847a1e101c362',
         },
     },
 }
