@@ -12,7 +12,10 @@ What fails today:
   ranks out of step, so the next collective hung.
 - ``LoreftIntervention.load_state_dict`` builds a new rotation layer, so an optimizer (or DDP, FSDP,
   DeepSpeed) keeps updating the old parameters. It now copies into the existing ones: the rotation
-  through the parametrization's ``right_inverse`` (exact to rounding), the rest in place.
+  through the parametrization's ``right_inverse``, in float32 where it was saved in half precision
+  (torch's QR has no bf16 kernel on the CPU: a folder saved under DeepSpeed's bf16 mode failed to load
+  there with ``NotImplementedError: "geqrf_cpu" not implemented for 'BFloat16'``), and exactly: the
+  reloaded weight is the saved rotation bit for bit (``load_rotation``); the rest in place.
 - ``IntervenableModel.load_intervention`` loads with ``map_location='cuda:0'``: on a CPU machine
   ``RuntimeError: Attempting to deserialize object on a CUDA device``, on rank 1 a copy on the wrong
   GPU. It now loads onto each intervention's own device.
@@ -57,6 +60,16 @@ What fails today:
   ``save`` (pyreft's ``ReftModel.save``) gathered nothing: under ZeRO-3 it also wrote the interventions'
   empty partitions, from every rank. It now gathers like ``save_intervention`` and rank 0 writes;
   ``load(..., include_model=True)`` loads into a partitioned base too.
+- ``save`` wrote pyvene's ``intkey_*.bin`` with each intervention's tensors as held: a folder saved on a GPU
+  held CUDA tensors, which pyvene's ``load`` (``torch.load`` without ``map_location``) cannot read on a
+  machine without one. Every file it writes now holds CPU copies (``save_intervention`` wrote them so
+  already); with ``save_to_hf_hub=True`` those files are what is uploaded.
+- ``ReftModel.load`` hands the loaded interventions to a new ``ReftModel`` and drops the model pyvene's
+  ``load`` built, whose state gave LoReFT's rotations ``fixes.orthogonal``'s forward: they went back to
+  torch's, which has no half-precision kernel on the CPU (``"orgqr_cpu" not implemented for 'BFloat16'``
+  at the first forward of a bf16 folder). ``load`` adopts them on their own. Interventions saved in one
+  dtype onto a base model of another (FSDP2's float32 master weights under ``--bf16``, served in bf16)
+  compute in their saved dtype (``_compute_dtype``), as they did in training (``fixes.fsdp``).
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -70,6 +83,7 @@ import torch
 from torch import nn
 
 from .._records import Fix, Site
+from ._compute_dtype import compute_in_own_dtype
 
 PYVENE = "pyvene.models.intervenable_base"
 PYREFT = "pyreft"
@@ -90,6 +104,8 @@ FIX = Fix(
         Site("pyreft.reft_trainer:ReftTrainer._load_best_model", "_wrap_load_best_model"),
         Site(f"{TRANSFORMERS}:Trainer._load_from_checkpoint", "_wrap_load_from_checkpoint"),
     ),
+    # orthogonal: its rotations adopted again after a load (see _wrap_load), its state kept coherent.
+    after=("orthogonal",),
     upstream=("pyvene", "pyreft"),
 )
 #: Written by ``save_intervention`` beside pyreft's files: the exact state of every intervention.
@@ -134,10 +150,40 @@ def _wrap_loreft_load_state_dict(wrapped, instance, args, kwargs):
         return nn.Module.load_state_dict(instance, *args, **kwargs)
     source = {key: value for key, value in state.items() if key != "rotate_layer"}
     instance.learned_source.load_state_dict(source)
-    with torch.no_grad():
-        rotation = state["rotate_layer"].to(instance.rotate_layer.parametrizations.weight.original.device)
-        instance.rotate_layer.weight = rotation  # right_inverse writes into the existing parameters
+    load_rotation(instance.rotate_layer, state["rotate_layer"])
     return None
+
+
+#: Dtypes in which torch's QR (``geqrf``, behind the orthogonal map's ``right_inverse``) runs on every device.
+_QR_DTYPES = (torch.float32, torch.float64)
+
+
+@torch.no_grad()
+def load_rotation(layer: nn.Module, rotation: torch.Tensor) -> None:
+    """Give a layer whose ``weight`` is parametrized the saved ``rotation`` as that weight, written into the
+    existing parameter (so optimizers and wrappers keep it), exactly.
+
+    The value goes back through each parametrization's ``right_inverse``, as assigning ``layer.weight`` does. For
+    the orthogonal map that is a QR decomposition, which has no half-precision kernel on the CPU: a rotation saved
+    in bf16 (DeepSpeed's bf16 mode casts it) failed to load there with ``NotImplementedError: "geqrf_cpu" not
+    implemented for 'BFloat16'``. It runs in float32 here, and the raw matrix it gives is copied into the
+    parameter in the parameter's own dtype. The orthogonal map (with torch's default trivialization) completes the
+    rotation into a square orthogonal ``base`` buffer by QR, whose first columns equal the rotation only to
+    rounding; they are set to the saved values (as pyreft's own ``load_state_dict`` does), so that the layer's
+    weight is the saved rotation bit for bit."""
+    from torch.nn.utils.parametrizations import _Orthogonal
+
+    weights = layer.parametrizations.weight
+    original = weights.original
+    value = rotation.to(original.device)
+    value = value if value.dtype in _QR_DTYPES else value.float()
+    saved = value
+    for parametrization in reversed(weights):
+        value = parametrization.right_inverse(value)
+    original.copy_(value)
+    if len(weights) == 1 and isinstance(weights[0], _Orthogonal) and getattr(weights[0], "base", None) is not None:
+        tall = saved if saved.size(-2) >= saved.size(-1) else saved.mT
+        weights[0].base[..., :tall.size(-1)] = tall.to(weights[0].base.dtype)
 
 
 # -- saving and loading --------------------------------------------------------------------------
@@ -232,10 +278,29 @@ def _wrap_save(wrapped, instance, args, kwargs):
     with gathered(instance, base=base):  # whole inside, for pyvene's reads and the exact states
         weights = _whole_copies(base)
         if is_main_process():  # the other ranks hold the same
-            wrapped(save_directory, save_to_hf_hub, hf_repo_name, include_model=False)
-            torch.save(_cpu(instance.interventions.state_dict()), os.path.join(save_directory, SAVED_STATES_FILE))
+            wrapped(save_directory, False, hf_repo_name, include_model=False)  # its config; uploads below
+            files = {name: _cpu(instance.interventions[key].state_dict())  # pyvene wrote them as held: on a GPU
+                     for key in instance.interventions  # CUDA tensors, which a CPU machine could not load
+                     if os.path.exists(os.path.join(save_directory, name := f"intkey_{key}.bin"))}
+            files[SAVED_STATES_FILE] = _cpu(instance.interventions.state_dict())
             if include_model:  # pyvene wrote each parameter as held here: a ZeRO-3 or FSDP2 shard
-                torch.save(weights, os.path.join(save_directory, MODEL_FILE))
+                files[MODEL_FILE] = weights
+            for name, content in files.items():
+                torch.save(content, os.path.join(save_directory, name))
+            if save_to_hf_hub:
+                _upload(save_directory, [*files, "config.json"], hf_repo_name)
+
+
+def _upload(directory: str, names: list[str], repo: str) -> None:
+    """What ``save(..., save_to_hf_hub=True)`` uploads: the files written, into ``repo`` (made if it is not there,
+    as pyvene does)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo, exist_ok=True)
+    for name in names:
+        api.upload_file(path_or_fileobj=os.path.join(directory, name), path_in_repo=name, repo_id=repo,
+                        repo_type="model")
 
 
 def _save_arguments(save_directory, save_to_hf_hub=False, hf_repo_name="my-awesome-model", include_model=False):
@@ -250,14 +315,29 @@ def _wrap_load(wrapped, instance, args, kwargs):
         from huggingface_hub import snapshot_download
 
         load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
+    from . import orthogonal
+
     loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=False)
+    # pyreft's ReftModel.load hands these interventions to a new ReftModel and drops this model, whose state
+    # gave LoReFT's rotations fixes.orthogonal's forward: owned by themselves, they keep it (torch's own has no
+    # half-precision kernel on the CPU: '"orgqr_cpu" not implemented for 'BFloat16'' at the first forward).
+    orthogonal.adopt(loaded.interventions)
     _restore_as_saved(loaded, load_directory)
+    hidden = _floating_dtype(loaded.model)
+    if hidden is not None:  # float32 interventions (FSDP2's master weights under --bf16) onto a bf16 base
+        compute_in_own_dtype(loaded, hidden)
     if include_model:  # also into a base that ZeRO-3 partitions (zero.Init) or FSDP2 shards
         saved = _read_model_file(load_directory)
         base = _loaded_base_weights(loaded, saved)
         with gathered(loaded, modify=True, base=base):
             _load_base_weights(loaded, saved, base)
     return loaded
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The one dtype of ``model``'s floating-point parameters; None where they mix dtypes, or there are none."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
 
 
 def _load_arguments(load_directory, model, local_directory=None, from_huggingface_hub=False, include_model=False):

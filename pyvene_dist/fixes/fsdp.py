@@ -13,6 +13,20 @@ got mixed torch.Tensor and DTensor`` on CPU; ``NotImplementedError: Operator
 aten.linalg_householder_product.default does not have a sharding strategy registered`` under HF
 Trainer on 2 x H200), and saving would need every rank to take part. Whole, rank 0 saves them alone.
 
+**Mixed precision.** A ``MixedPrecisionPolicy`` (``fully_shard(..., mp_policy=...)``) makes every unit compute in
+its ``param_dtype``; the interventions are left out of sharding, and so out of the policy: they kept their own
+dtype. accelerate's FSDP2 with ``mixed_precision="bf16"`` (HF Trainer's ``--bf16``) sets ``param_dtype=bfloat16``
+and first casts every trainable parameter to float32 (its master weights), the interventions' included, and it
+applies no autocast under FSDP2 (its other strategies run the forward under ``torch.autocast``). The hidden states
+reached the interventions in bf16 and met float32 weights: ``RuntimeError: mat1 and mat2 must have the same dtype,
+but got BFloat16 and Float`` in the first forward on a GPU. (On the CPU accelerate trains DDP under autocast with
+the same flags: it applies FSDP in a GPU world only.) Where the policy's ``param_dtype`` differs from the one dtype
+of an intervention's floating-point parameters, the intervention now computes in its own dtype: the hidden states
+are cast to it on the way in and back to ``param_dtype`` on the way out (``_compute_dtype``: forward hooks on the
+intervention, removed by ``unpatch()``). Its weights stay as they are (accelerate's
+float32 master weights), and so do its gradients. An intervention whose parameters mix dtypes (pyreft's LoReFT
+built with ``dtype=torch.bfloat16`` keeps its rotation in float32 and casts for itself) is left alone.
+
 Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/``ReftModel`` itself,
 as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
 decoder layer. Sharding only ``reft_model.model`` leaves the interventions' gradients unreduced.
@@ -34,7 +48,9 @@ from torch import nn
 
 from .._records import Fix, Site
 from .._registry import REGISTRY
+from ..quantized import refuse_unshardable
 from . import consistency
+from ._compute_dtype import compute_in_own_dtype
 from ._models import intervenable_models
 from .tensor_parallel import forget_dtensor_parameters
 
@@ -89,6 +105,7 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     models = pyvene_models(modules)
     if not models:
         return wrapped(*args, **kwargs)
+    refuse_unshardable(modules, "FSDP2 (fully_shard)")  # 8-bit fails at the first forward otherwise
     mesh = kwargs.get("mesh")
     for module in modules:  # the same on every rank of each mesh dimension: the same on the whole mesh
         for group in [mesh.get_group(dim) for dim in range(mesh.ndim)] if mesh is not None else [None]:
@@ -101,6 +118,10 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     _place_and_reduce(models, _compute_device(modules, parameters), groups)
+    compute_dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
+    if compute_dtype is not None:  # the policy computes the base in it, and leaves the interventions out
+        for model in models:
+            compute_in_own_dtype(model, compute_dtype)
     return sharded
 
 
@@ -109,6 +130,7 @@ def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
     models = pyvene_models([module])
     interventions = [model.interventions for model in models]
     if interventions:
+        refuse_unshardable([module], "FSDP1 (FullyShardedDataParallel)")
         _check_same_interventions(module, kwargs.get("process_group"))
         device_id = kwargs.get("device_id")
         if device_id is not None:  # FSDP moves what it manages there; sync_module_states wants the rest there too
