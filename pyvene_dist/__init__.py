@@ -16,7 +16,7 @@ import contextlib
 from typing import Iterable, Iterator
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "is_patched", "__version__"]
+__all__ = ["patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__"]
 
 
 def patch(
@@ -75,6 +75,15 @@ def is_patched() -> bool:
     from ._registry import REGISTRY
 
     return REGISTRY.active
+
+
+def positions_from_attention_mask(attention_mask, positions: str = "l1", *, num_interventions: int = 1,
+                                  share_weights: bool = False):
+    """Each row's intervention positions from a batch's attention mask, as pyreft's ``get_intervention_locations``
+    gives them for the row's prompt alone (``pyvene_dist.positions``; no ``patch()`` needed)."""
+    from .positions import positions_from_attention_mask as positions_of
+
+    return positions_of(attention_mask, positions, num_interventions=num_interventions, share_weights=share_weights)
 
 
 @contextlib.contextmanager
