@@ -26,7 +26,10 @@ class Call:
     indices: list
     generating: bool = False
     on_prompt: bool = False
-    counts: list | None = None  # per hook: pyvene's setter counter of a generate
+    #: per hook, in a generate: whether it has run (on the prompt's forward). pyvene counts each hook's calls
+    #: and asks only whether the count is 0; a flag that stays True keeps a compiled decoding step's guards
+    #: the same at every token (a count changed them, and every token compiled again).
+    seen: list | None = None
 
 
 # --- one call's locations ------------------------------------------------------------------------------------
@@ -109,15 +112,21 @@ def _hook(plan: Plan, step: Step):
         if call is None:
             return None
         if call.generating:  # pyvene's hook_callback: skip the prompt, or all but the prompt
-            is_prompt = call.counts[number] == 0
-            if not call.on_prompt or is_prompt:
-                call.counts[number] += 1
+            is_prompt = not call.seen[number]
+            if is_prompt:
+                call.seen[number] = True
             if call.on_prompt ^ is_prompt:
                 return None
         value = output[0] if isinstance(output, tuple) else output
-        indices = call.indices[index]
-        if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
-            indices = call.indices[index] = _indices(plan, call, index, value, intervention)
+        if torch.compiler.is_compiling():
+            # traced (a compiled decoding step): the indices are made in the graph, where they cost nothing,
+            # and kept nowhere: a tensor the graph made and Python kept would be read by the next step as an
+            # input (a guard that changes once more), and under CUDA graphs after the replay that overwrote it
+            indices = _indices(plan, call, index, value, intervention, keep=False)
+        else:
+            indices = call.indices[index]
+            if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
+                indices = call.indices[index] = _indices(plan, call, index, value, intervention)
         gathered, written, batch_index, operations = indices
         # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
         selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
@@ -135,14 +144,17 @@ def _hook(plan: Plan, step: Step):
     return apply_intervention
 
 
-def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor, intervention) -> tuple:
+def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor, intervention, keep: bool = True) -> tuple:
+    """The hook's operands for one call; ``keep=False`` (traced): nothing is cached on the plan."""
     positions = call.positions[index]
     if positions.device != value.device:  # a layer on another device than the input's (device_map)
         positions = positions.to(value.device, non_blocking=True)
     batch = positions.shape[0]
-    batch_index = plan.batch_indices.get((batch, value.device))
+    batch_index = plan.batch_indices.get((batch, value.device)) if keep else None
     if batch_index is None:
-        batch_index = plan.batch_indices[batch, value.device] = torch.arange(batch, device=value.device)[:, None]
+        batch_index = torch.arange(batch, device=value.device)[:, None]
+        if keep:
+            plan.batch_indices[batch, value.device] = batch_index
     written = positions[0] if call.use_fast else positions  # scatter_neurons' `pos` branch
     operations = _operations(intervention)
     return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index, operations

@@ -35,9 +35,11 @@ Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.13.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
+import types
 from typing import Any
 
 import torch
@@ -94,6 +96,7 @@ class Plan:
     handles: list = dataclasses.field(default_factory=list)
     config_has_use_cache: bool = False
     call: Call | None = None
+    compiled: tuple | None = None  # (compile config, the plan's compiled decoding step): ``compiled_decoding``
     #: (hook, shape, dtype, device, saved-tensor hooks on) -> whether the hooked output aliases a saved tensor
     aliasing: dict = dataclasses.field(default_factory=dict)
     batch_indices: dict = dataclasses.field(default_factory=dict)  # (batch, device) -> arange(batch)[:, None]
@@ -169,14 +172,16 @@ def _generate_entry(general):
             every_token = not intervene_on_prompt and unit_locations is None  # pyvene's own default
             call = _call(self, base, {"base": 0} if every_token else unit_locations)
         if call is None:
-            return _bound(general, self)(
-                base, sources=sources, unit_locations=unit_locations, source_representations=source_representations,
-                intervene_on_prompt=intervene_on_prompt, subspaces=subspaces,
-                output_original_output=output_original_output,
-                intervention_additional_kwargs=intervention_additional_kwargs, **kwargs)
-        call.generating, call.on_prompt, call.counts = True, intervene_on_prompt, [0] * len(plan.steps)
+            with compiled_decoding(self.model, None, _why_general(self, plan)):  # the general path: refused
+                return _bound(general, self)(
+                    base, sources=sources, unit_locations=unit_locations,
+                    source_representations=source_representations, intervene_on_prompt=intervene_on_prompt,
+                    subspaces=subspaces, output_original_output=output_original_output,
+                    intervention_additional_kwargs=intervention_additional_kwargs, **kwargs)
+        call.generating, call.on_prompt, call.seen = True, intervene_on_prompt, [False] * len(plan.steps)
         base_outputs = self.model.generate(**base, **kwargs) if output_original_output else None
-        return base_outputs, _run(plan, call, self.model.generate, base, kwargs)
+        with compiled_decoding(self.model, plan):
+            return base_outputs, _run(plan, call, self.model.generate, base, kwargs, generating=True)
 
     return generate
 
@@ -189,8 +194,12 @@ def _bound(general, model):
     return general.__get__(model, type(model))
 
 
-def _run(plan: Plan, call: Call, run, base, kwargs):
-    """``run(**base, **kwargs)`` with ``call`` enabled, each parametrized weight computed once in it."""
+def _run(plan: Plan, call: Call, run, base, kwargs, generating: bool = False):
+    """``run(**base, **kwargs)`` with ``call`` enabled, each parametrized weight computed once in it. A
+    generate computes them first, eagerly and without grad (as generate runs), so that a compiled decoding
+    step reads them as its inputs: built in the step's graph, a rotation would be kept in
+    ``parametrize``'s cache as the graph's output and read by the next step (under CUDA graphs after the
+    replay that overwrote it), and each step would build the rotations again."""
     if torch.compiler.is_compiling():  # traced: the graph computes each rotation where it is read
         plan.call = call
         try:
@@ -200,11 +209,100 @@ def _run(plan: Plan, call: Call, run, base, kwargs):
     from .parametrizations import cached_parametrizations
 
     with cached_parametrizations():
+        if generating:
+            _compute_parametrized(plan)
         plan.call = call
         try:
             return run(**base, **kwargs)
         finally:
             plan.call = None
+
+
+def _compute_parametrized(plan: Plan) -> None:
+    """Read each parametrized tensor of the plan's interventions once, inside ``parametrize.cached()``."""
+    from torch.nn.utils import parametrize
+
+    with torch.no_grad():
+        for step in plan.steps:
+            for module in step.intervention.modules():
+                if parametrize.is_parametrized(module):
+                    for name in module.parametrizations:
+                        getattr(module, name)
+
+
+# --- compiled decoding -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def compiled_decoding(model, plan: Plan | None, reason: str = ""):
+    """While a ReFT generates: transformers' ``get_compiled_call`` of the base ``model`` (asked where generate
+    compiles its decoding step: the static cache on CUDA, or ``compile_config._compile_all_devices``)
+    returns the plan's own compiled step, or, on pyvene's general path (``plan`` None), refuses.
+
+    The base model's own compiled call cannot serve: dynamo does not guard on module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a step compiled for the bare model before the
+    plan's hooks were registered runs without them (the interventions dropped, without a word), and one
+    compiled with them keeps them. The plan's step is a function of its own (its own cache in dynamo), compiled
+    with the plan's hooks registered. The general path registers new hooks at every call: no compiled step
+    can follow them."""
+    if not callable(getattr(type(model), "get_compiled_call", None)) or "get_compiled_call" in model.__dict__:
+        yield
+        return
+    model.__dict__["get_compiled_call"] = functools.partial(_compiled_step, model, plan) if plan is not None \
+        else functools.partial(_refused_step, reason)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("get_compiled_call", None)
+
+
+def _compiled_step(model, plan: Plan, compile_config):
+    """transformers' ``get_compiled_call`` for the plan: one compiled step per compile config, kept on the
+    plan (a plan rebuilt for new interventions compiles afresh)."""
+    if "llama4" in model.config.model_type:  # as transformers: not compiled
+        return model.__call__
+    config = compile_config or model._default_compile_config()
+    if plan.compiled is None or plan.compiled[0] != config:
+        plan.compiled = (config, torch.compile(_decoding_step(model), **config.to_dict()))
+    return plan.compiled[1]
+
+
+def _decoding_step(model):
+    """``model(...)`` as a function with a code object of its own. dynamo keeps its compiled entries on the code
+    object and does not guard on hooks: the bare model's entries (``Module.__call__``'s code) or another
+    plan's (of this function, before the plan was rebuilt, or before an ``unpatch()``) would match."""
+    def reft_decoding_step(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    return types.FunctionType(reft_decoding_step.__code__.replace(), reft_decoding_step.__globals__,
+                              reft_decoding_step.__name__, None, reft_decoding_step.__closure__)
+
+
+def _refused_step(reason: str, compile_config):
+    raise CompiledGenerationError(
+        f"pyvene_dist: this ReFT generate takes pyvene's general path ({reason}), whose hooks "
+        f"cannot run inside the compiled decoding step that transformers asked for (compile_config="
+        f"{compile_config!r}, a static cache with cache_implementation='static' on CUDA or "
+        "compile_config._compile_all_devices=True): they would be dropped, or kept in the base model's "
+        "compiled step after the call. Pass disable_compile=True to generate eagerly, or call generate as the "
+        "fast path takes it (docs/fast_path.md, 'What falls back to the general path').")
+
+
+def _why_general(model, plan: Plan | None) -> str:
+    """Why a generate of ``model`` (pyvene's model) takes the general path, in a few words."""
+    if plan is not None:
+        return ("its arguments: sources, source_representations, subspaces or intervention_additional_kwargs, "
+                "or unit_locations in a form the plan does not take")
+    options = REGISTRY.options
+    if options is None or not options.fast_path:
+        return "fast_path is off"
+    built = plan_of(model)
+    if built is not None and built.refusal is not None:
+        return built.refusal
+    return "a DataParallel replica or a tensor-parallel model"
+
+
+class CompiledGenerationError(RuntimeError):
+    """A ReFT generate on pyvene's general path with a compiled decoding step (``fixes.fast_path``)."""
 
 
 def _checkpointing_training(model) -> bool:

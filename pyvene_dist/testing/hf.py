@@ -206,3 +206,26 @@ def _check_accumulation(accelerator, case: ParityCase) -> None:
                          f"{accelerator.gradient_accumulation_steps} micro-batches, the case accumulation="
                          f"{case.accumulation}: make it with Accelerator(gradient_accumulation_steps="
                          f"{case.accumulation})")
+
+
+def fsdp_on_cpu() -> None:
+    """Make accelerate apply HF Trainer's FSDP plugin on CPU: ``AcceleratorState`` takes it only in a GPU world
+    type, which it copies from ``PartialState`` when made. That type reads as ``MULTI_GPU`` while HF Trainer makes
+    its accelerator (the device stays the CPU), and as before after. With it, HF Trainer (under torchrun or
+    ``accelerate launch --config_file docs/configs/accelerate-fsdp2.yaml``) shards, mixes precision, saves and
+    resumes as on GPUs: accelerate's ``fsdp2_prepare_model``, DCP checkpoints."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    from transformers import Trainer
+
+    make = Trainer.create_accelerator_and_postprocess
+
+    def create_accelerator_and_postprocess(self, *args, **kwargs):
+        shared = PartialState._shared_state
+        world_type, shared["distributed_type"] = shared["distributed_type"], DistributedType.MULTI_GPU
+        try:
+            return make(self, *args, **kwargs)
+        finally:
+            shared["distributed_type"] = world_type
+
+    Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess

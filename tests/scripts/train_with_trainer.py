@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import helpers  # noqa: E402 -- pyvene_dist.patch(), minus what PYVENE_DIST_TEST_WITHOUT names
 from pyvene_dist.testing import ParityCase  # noqa: E402
 from pyvene_dist.testing.hf import deepspeed_config  # noqa: E402
-from pyvene_dist.testing.hf import train_with_trainer
+from pyvene_dist.testing.hf import fsdp_on_cpu, train_with_trainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -39,26 +39,6 @@ parser.add_argument("--deepspeed", help="HF Trainer's DeepSpeed: a ZeRO stage (1
 parser.add_argument("--unpatched", action="store_true")
 options = parser.parse_args()
 
-
-def fsdp_on_cpu() -> None:
-    """Make accelerate apply HF Trainer's FSDP plugin on CPU: ``AcceleratorState`` takes it only in a GPU world
-    type, which it copies from ``PartialState`` when made. That type reads as ``MULTI_GPU`` while HF Trainer makes
-    its accelerator (the device stays the CPU), and as before after."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-    from transformers import Trainer
-
-    make = Trainer.create_accelerator_and_postprocess
-
-    def create_accelerator_and_postprocess(self, *args, **kwargs):
-        shared = PartialState._shared_state
-        world_type, shared["distributed_type"] = shared["distributed_type"], DistributedType.MULTI_GPU
-        try:
-            return make(self, *args, **kwargs)
-        finally:
-            shared["distributed_type"] = world_type
-
-    Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
 
 if not options.unpatched:
     helpers.patch()
