@@ -8,6 +8,9 @@
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh large-7b generation-stock generation
 # (`all-new` runs the five in turn, for a machine held longer.) Issue 28's figures, in one command:
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-both compiled sharded-9 overhead
+# Issue 37's generation figures and check (one H200, each under 10 minutes):
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-check
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-static
 # Rows carry PYVENE_DIST_COMMIT: the device's copy of the tree has no .git.
 set -uo pipefail
 source "$(dirname "$0")/../scripts/gpu_env.sh" || exit 1
@@ -58,6 +61,13 @@ for part in "$@"; do
     generation-both)  # issue 28's setting: 256 new tokens, both providers and the bare model in each round
       python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 15 \
         --out "$OUT/generation.jsonl" ;;
+    generation-static)  # issue 37: every column in the same rounds (bare unpatched, eager and static-cache compiled;
+      # stock pyvene; pyvene_dist eager and in its compiled step), 256 new tokens; each round recompiles the ReFT's
+      # step after its patch() (untimed)
+      python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 7 \
+        --out "$OUT/generation.jsonl" ;;
+    generation-check)  # issue 37: both orders with the static cache and transformers' default compile, fresh processes
+      python3 benchmarks/gpu_generation_check.py --out "$OUT/generation-check.json" ;;
     sharded-9)  # issue 28's setting: FSDP2 and ZeRO-3 at world 1, the median of 9 rounds of 5 steps each
       python3 benchmarks/sharded.py --steps 45 --rounds 9 --warmup 3 --out "$OUT/sharded.jsonl" \
         --profile "$OUT/sharded-profile.txt" ;;

@@ -106,13 +106,19 @@ def test_sharded_smoke_times_reft_and_lora_under_fsdp2_and_zero3(tmp_path):
 
 
 def test_generation_smoke_intervenes_on_every_token_as_stock_pyvene(tmp_path):
+    """One process, every column in every round: the bare model unpatched, eager and with the compiled static
+    cache, stock pyvene, pyvene_dist eager and in its own compiled step; ratios by the median of the rounds."""
     rows = _smoke_rows(tmp_path, "generation.py")
     _assert_metadata(rows)
     by = {r["provider"]: r for r in rows}
-    assert [r["provider"] for r in rows] == ["bare", "pyvene", "bare", "pyvene_dist"]
-    assert by["pyvene"]["differs_from_bare"] and by["pyvene_dist"]["differs_from_bare"]  # the interventions ran
-    assert by["pyvene_dist"]["same_as_stock"]
-    assert by["pyvene_dist"]["baseline"] == "bare" and by["pyvene_dist"]["new_tokens"] == 8
+    assert [r["provider"] for r in rows] == ["bare", "bare-static", "pyvene", "pyvene_dist", "pyvene_dist-static"]
+    assert [r["patched"] for r in rows] == [False, False, False, True, True]
+    assert all(by[name]["differs_from_bare"] for name in ("pyvene", "pyvene_dist", "pyvene_dist-static"))
+    assert by["pyvene_dist"]["same_as_stock"] and by["pyvene_dist-static"]["same_as_eager"]  # float32 on CPU
+    assert by["bare-static"]["same_as_eager"]
+    assert by["pyvene_dist"]["baseline"] == "bare" and by["pyvene_dist-static"]["baseline"] == "bare-static"
+    assert all(len(r["ratio_rounds"]) == 2 and "ratio_median" in r for r in rows[1:])
+    assert len(by["pyvene_dist-static"]["speedup_over_stock_rounds"]) == 2 and by["pyvene_dist"]["new_tokens"] == 8
 
 
 def test_calls_smoke_counts_the_same_calls_in_two_runs(tmp_path):
