@@ -15,7 +15,7 @@ pip install "${PYVENE_DIST_TORCH:-torch==2.13.0}"
 # test extra, which names it, so that pip does not build it in an isolated environment without torch.
 pip install "${constraints[@]}" setuptools wheel
 pip install "${constraints[@]}" --no-build-isolation "deepspeed==0.19.8"
-pip install "${constraints[@]}" -e ".[test,accelerate]"
+pip install "${constraints[@]}" -e ".[test,accelerate,quantize]"
 # pyreft's own requirements pull in jupyter and wandb; what it imports is already here (the test extra).
 pip install --no-deps pyreft==0.1.0
 # Build DeepSpeed's shared-memory communication op now: every DeepSpeed process on CPU loads it when it joins

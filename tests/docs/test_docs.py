@@ -58,6 +58,8 @@ GPU_CHECK = RunBy("tests/docs/test_check.py::test_every_strategy_agrees_on_gpus"
                   ('{name: "agrees" for name in check.CHECKED}',), gpus=2)
 UPSTREAM_SERIES = "tests/upstream/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
+#: benchmarks/mixed_refts.py's smoke mode, run in process by the serving tests.
+MIXED_REFTS = "tests/test_serving.py::test_the_benchmark_smoke_writes_every_provider"
 
 #: Commands this file runs, with the exit code they must give.
 RUN_HERE: dict[str, int] = {
@@ -180,6 +182,15 @@ RUN_BY: dict[str, RunBy] = {
         RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
     "python benchmarks/overhead.py --smoke":
         RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
+    "python docs/examples/serve_many.py --reft poet=out/poet/reft --reft coder=out/coder/reft --port 8000":
+        RunBy("tests/test_serving.py::test_server_answers_each_model_as_alone", ('"--reft"', '"--port", "0"'),
+              note="started on a free port of the loopback with the test's three ReFT folders"),
+    "python benchmarks/mixed_refts.py --smoke": RunBy(MIXED_REFTS, ('"--smoke"',)),
+    **{f"OMP_NUM_THREADS=1 python benchmarks/mixed_refts.py --model tiny --prompt-len 16 --new-tokens 16 --rounds 7"
+       f"{mode} --out benchmarks/results/mixed-refts-cpu.jsonl": RunBy(MIXED_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE)
+       for mode in ("", " --every-token")},
+    **{f"python benchmarks/mixed_refts.py{mode} --out benchmarks/results/mixed-refts-1xH200.jsonl":
+       RunBy(MIXED_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE) for mode in ("", " --every-token")},
 }
 
 #: Every file in docs/configs/, and the test that uses it (its file must name it).
