@@ -10,9 +10,10 @@ pyreft's interventions call their layers on the hidden states as given, so a flo
 parameters hold one dtype other than ``hidden_dtype`` gets two forward hooks: its floating-point inputs are cast to
 its dtype, its output back to ``hidden_dtype``. Its parameters, and so its gradients and optimizer state, are
 untouched. An intervention whose parameters mix dtypes (pyreft's LoReFT built with ``dtype=torch.bfloat16`` keeps
-its rotation in float32 and casts for itself) is left alone. The hooks' handles are the intervention's own runtime state (``CastState``, kept by the
-registry for the intervention, not for a model: ``ReftModel.load`` hands its interventions to a new ``ReftModel``),
-which removes them when it closes: when the intervention is collected, and at ``unpatch()``.
+its rotation in float32 and casts for itself) is left alone. The hooks' handles are the intervention's own runtime
+state (``CastState``, kept by the registry for the intervention, not for a model: ``ReftModel.load`` hands its
+interventions to a new ``ReftModel``), which removes them when it closes: when the intervention is collected, and
+at ``unpatch()``.
 """
 
 from __future__ import annotations
