@@ -331,3 +331,20 @@ def test_load_refusals(saved, many, tmp_path):
         many.load("x", tmp_path / "bare")
     with pytest.raises(ValueError, match="positions: expected pyreft's form, as 'f1\\+l1', 'f3' or 'l1', found 'last'"):
         many.load("x", folders["no"], positions="last")
+
+
+def test_the_benchmark_smoke_writes_every_provider(tmp_path):
+    """benchmarks/mixed_refts.py --smoke, in this process (its CPU rows, benchmarks/results/mixed-refts-cpu.jsonl,
+    are the same script on the tiny model): every provider's row, the mixed rows equal to their groups alone."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import mixed_refts
+
+    out = tmp_path / "rows.jsonl"
+    assert mixed_refts.main(["--smoke", "--refts", "3", "--batch", "4", "--out", str(out)]) == 0
+    rows = {row["provider"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"one-reft-batch", "mixed-refts", "each-group-alone", "pyreft-one-reft", "bare"}
+    assert rows["mixed-refts"]["same_as_alone"] and rows["mixed-refts"]["differs_from_bare"]
+    assert rows["one-reft-batch"]["same_as_pyreft"]
+    assert rows["mixed-refts"]["groups"] == 3 and len(rows["mixed-refts"]["ratio_rounds"]) == 2
+    assert rows["bare"]["base_per_reft_bytes"] == 3 * rows["bare"]["base_bytes"] + rows["bare"]["reft_bytes"]
+    assert all(row["commit"] and row["run_id"] and row["machine"] and row["versions"]["torch"] for row in rows.values())
