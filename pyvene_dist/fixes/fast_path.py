@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -372,6 +373,16 @@ def plan_refusal(model) -> str | None:
     return None
 
 
+def _compiled_module(base) -> str | None:
+    """The first module of ``base`` compiled on its own (``Module.compile()``, or a compiled ``forward`` set on
+    it), named, or None."""
+    for name, module in base.named_modules():
+        forward = module.__dict__.get("forward")
+        if module.__dict__.get("_compiled_call_impl") is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"module {name!r}" if name else "forward"
+    return None
+
+
 @torch.compiler.disable  # built eagerly where the first call is compiled: registering hooks breaks a graph
 def _build(model) -> Plan:
     interventions = list(model.interventions.values())
@@ -379,6 +390,13 @@ def _build(model) -> Plan:
     if refusal is not None:
         return Plan(interventions, refusal)
     plan = Plan(interventions, None, config_has_use_cache="use_cache" in model.model.config.to_dict())
+    compiled = _compiled_module(model.model)
+    if compiled is not None:
+        warnings.warn(
+            f"pyvene_dist: the base model's {compiled} was compiled before its ReFT's first call. dynamo does not "
+            "guard on module hooks: where that compiled code already ran, its graphs run without the hooks "
+            "registered now and the interventions are dropped; compile the base model after the ReFT's first "
+            "call, or compile the step that calls the ReFT (docs/fast_path.md)", RuntimeWarning, stacklevel=3)
     order = [key for keys in model._intervention_group.values() for key in keys]  # pyvene's registration order
     for number, key in enumerate(order):
         step = Step(number, model.sorted_keys.index(key), model.interventions[key])

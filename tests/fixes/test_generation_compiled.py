@@ -147,3 +147,13 @@ def test_left_padded_rows_generate_as_each_prompt_alone(patched, cache, mode):
         alone = {key: value[row:row + 1, max(lengths) - length:] for key, value in batch.items()}
         expected = reft.generate(alone, **_where(mode, alone), **SETTINGS)[1][:, length:]
         assert torch.equal(together[row:row + 1], expected), (row, together[row], expected[0])
+
+
+def test_a_base_model_compiled_before_the_refts_first_call_is_warned_of(patched):
+    """Its compiled code, where it ran before, has no hooks to run (the interventions dropped): said, not silent."""
+    base = models.tiny_llama(seed=0)
+    reft = models.reft_model(base, layers=LAYERS, seed=1)
+    base.compile(backend=counting_backend)
+    prompt = _prompt()
+    with torch.compiler.set_stance("force_eager"), pytest.warns(RuntimeWarning, match="compiled before its ReFT's"):
+        reft(prompt, unit_locations={"sources->base": (None, [[[0]] * 2] * len(LAYERS))})
