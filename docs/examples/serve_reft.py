@@ -6,12 +6,20 @@ train_reft.py saves, beside the interventions, what answering needs (``train_set
 model's folder, the positions, whether the first and last positions share weights, and the dtype. Flags
 override them (``--model`` when the model moved); for interventions saved by another script, pass
 ``--model``, ``--positions``, ``--share_weights`` and ``--dtype`` as they were in training.
+
+What does not fit stops before answering, naming the flag or file: a folder ``ReftModel.save`` did not write (no
+``config.json``), a base model folder that is not there, a base model of another hidden size than the one the
+interventions were trained on, an empty or corrupt ``intkey_*.bin`` (read with ``weights_only=True`` only), and
+``--positions`` pyreft reads as no position. A ``--dtype`` other than the interventions' own serves: each
+intervention computes in the dtype it was saved in (``pyvene_dist.fixes.checkpoints``).
 """
 
 import argparse
 import functools
+import glob
 import json
 import os
+import re
 
 import torch
 
@@ -30,24 +38,73 @@ DEFAULTS = {"positions": "l1", "share_weights": False, "dtype": "float32"}
 
 def settings(interventions, **given):
     """What answering needs: the flags given, else what training saved, else ``DEFAULTS``."""
+    if not os.path.isfile(os.path.join(interventions, "config.json")):
+        what = "has no config.json" if os.path.isdir(interventions) else "is not a folder"
+        raise SystemExit(f"serve_reft.py: --interventions {interventions} {what}; expected the folder ReftModel.save "
+                         "wrote (train_reft.py saves to OUTPUT_DIR/reft, or --save_dir)")
     path = os.path.join(interventions, SETTINGS)
-    saved = json.load(open(path)) if os.path.isfile(path) else {}
+    saved = {}
+    if os.path.isfile(path):
+        with open(path) as file:
+            saved = json.load(file)
     found = {**DEFAULTS, **saved, **{name: value for name, value in given.items() if value is not None}}
     if "model" not in found:
         raise SystemExit(f"serve_reft.py: {interventions} has no {SETTINGS}; pass --model (and the --positions, "
                          "--share_weights and --dtype of training)")
+    model = found["model"]
+    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
+        source = "--model" if given.get("model") else f"{path} names the base model"
+        raise SystemExit(f"serve_reft.py: {source} {model}, which is not there (moved or deleted?); pass --model with "
+                         "the base model's folder as it is now")
+    if positions_counts(found["positions"]) is None:
+        raise SystemExit(f"serve_reft.py: --positions {found['positions']!r}: pyreft reads it as no position; "
+                         "expected fN, lN or fN+lN as in training (f1+l1, l1)")
     return found
+
+
+def positions_counts(positions: str) -> tuple[int, int] | None:
+    """(first n, last n) for the forms pyreft's ``parse_positions`` reads as written (``fN``, ``lN``, ``fN+lN``);
+    None for the rest, which it reads as no position at all (``x3``, ``3``, ``f0+l0``) or misreads."""
+    found = re.fullmatch(r"(?:f(\d+))?(\+)?(?:l(\d+))?", positions)
+    if not found or (found[2] is not None) != (found[1] is not None and found[3] is not None):
+        return None
+    first, last = int(found[1] or 0), int(found[3] or 0)
+    return (first, last) if first + last else None
+
 
 
 def load(model_path, interventions, dtype="float32"):
     """The tokenizer, and the base model with the saved interventions, on this machine's first device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_readable(interventions)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
-    reft_model = pyreft.ReftModel.load(interventions, model)  # each weight in the dtype it was saved in
+    try:
+        reft_model = pyreft.ReftModel.load(interventions, model)  # each weight in the dtype it was saved in
+    except RuntimeError as error:
+        if "size mismatch" not in str(error):
+            raise
+        mismatch = next(line.strip() for line in str(error).splitlines() if "size mismatch" in line)
+        raise SystemExit(f"serve_reft.py: the interventions in {interventions} were trained on a model of another "
+                         f"size than {model_path} (hidden_size {model.config.hidden_size}): {mismatch}; pass --model "
+                         "with the base model they were trained on") from None
     reft_model.set_device(device)
     reft_model.eval()
     return tokenizer, reft_model
+
+
+def check_readable(interventions) -> None:
+    """Read each saved intervention file as ``torch.load`` reads it safely (``weights_only=True``): an empty or
+    corrupt file stops here, named, instead of failing inside pyvene with a bare ``EOFError``, or with torch's
+    advice to load it with ``weights_only=False``, which would run whatever code the file holds."""
+    for path in sorted(glob.glob(os.path.join(interventions, "intkey_*.bin"))):
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # EOFError, UnpicklingError, RuntimeError: torch's wording varies
+            reason = "it is empty" if os.path.getsize(path) == 0 else \
+                "it is cut short" if isinstance(error, EOFError) else "it is not a state dict torch.save wrote"
+            raise SystemExit(f"serve_reft.py: {path} cannot be read: {reason} ({type(error).__name__}); save the "
+                             "interventions again (train_reft.py, or ReftModel.save)") from None
 
 
 def unit_locations(reft_model, positions, share_weights, prompt_length):
@@ -89,8 +146,8 @@ def parse_arguments(argv=None):
     return parser.parse_args(argv)
 
 
-def main():
-    options = parse_arguments()
+def main(argv=None):
+    options = parse_arguments(argv)
     found = settings(options.interventions, model=options.model, positions=options.positions,
                      share_weights=options.share_weights, dtype=options.dtype)
     tokenizer, reft_model = load(found["model"], options.interventions, found["dtype"])

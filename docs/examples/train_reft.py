@@ -15,11 +15,18 @@ shared weights, dtype): ``docs/examples/serve_reft.py --interventions OUTPUT_DIR
 Examples are cut to ``--model_max_length`` tokens (default: the model's ``max_position_embeddings``).
 ``--resume_from_checkpoint OUTPUT_DIR/checkpoint-N`` (or ``True``: the newest in ``--output_dir``) continues a run
 that saved checkpoints (``--save_strategy steps --save_steps N``) where it stopped.
+
+A run that would train nothing stops before the first step, naming the flag or the example: ``--positions`` that
+pyreft reads as no position (``x3``, ``f0+l0``), ``--rank 0``, no examples, an example without a string
+``output``, every answer cut off by ``--model_max_length``, or positions beyond every prompt (pyreft caps each
+of first and last at half the prompt and repeats the first answer token's position for the rest). Examples
+that lose their answer or have their positions capped while others do not are named in a warning.
 """
 
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import warnings
 
@@ -33,7 +40,7 @@ import pyreft  # noqa: E402
 import transformers  # noqa: E402
 from pyvene_dist import flags  # noqa: E402
 from pyvene_dist.gather import gathered  # noqa: E402
-from serve_reft import SETTINGS, answer  # noqa: E402  (this folder)
+from serve_reft import SETTINGS, answer, positions_counts  # noqa: E402  (this folder)
 
 logger = transformers.utils.logging.get_logger("train_reft")
 
@@ -44,10 +51,11 @@ class ReftArguments:
     data: str = dataclasses.field(metadata={"help": "JSON list or JSONL of {'instruction': ..., 'output': ...}"})
     layers: str = dataclasses.field(default="all", metadata={"help": "'all', or layer numbers as 2,10,18"})
     positions: str = dataclasses.field(default="l1", metadata={"help": "prompt positions: first n and last n, "
-                                                                       "as pyreft writes them: 'f1+l1', 'l1'"})
+                                                                       "as pyreft writes them: 'f1+l1', 'l1', 'f2' "
+                                                                       "(at most half of the shortest prompt each)"})
     share_weights: bool = dataclasses.field(default=False, metadata={"help": "one intervention for f and l"})
     component: str = dataclasses.field(default="block_output", metadata={"help": "where in each layer"})
-    rank: int = dataclasses.field(default=4, metadata={"help": "low_rank_dimension"})
+    rank: int = dataclasses.field(default=4, metadata={"help": "low_rank_dimension, at least 1"})
     intervention: str = dataclasses.field(default="LoreftIntervention", metadata={"help": "a pyreft class"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "of the model and the interventions"})
     save_dir: str = dataclasses.field(default=None, metadata={"help": "default: OUTPUT_DIR/reft"})
@@ -55,8 +63,8 @@ class ReftArguments:
                                                                     "save the answer to OUTPUT_DIR/answer.pt"})
     max_new_tokens: int = dataclasses.field(default=16, metadata={"help": "for --prompt"})
     model_max_length: int = dataclasses.field(default=None, metadata={
-        "help": "tokens kept of each example (pyreft's data helpers truncate to it); default: the model's "
-                "max_position_embeddings"})
+        "help": "tokens kept of each example, prompt and answer (pyreft's data helpers truncate to it); default: "
+                "the model's max_position_embeddings"})
 
 
 def parse_arguments(argv=None):
@@ -71,6 +79,18 @@ def parse_arguments(argv=None):
         warnings.warn(f"--layers {reft_args.layers!r}: separate layers with commas, as "
                       f"{reft_args.layers.replace(';', ',')}; ';' will stop working", FutureWarning, stacklevel=2)
         reft_args.layers = reft_args.layers.replace(";", ",")
+    if reft_args.layers != "all" and not re.fullmatch(r"\d+(,\d+)*", reft_args.layers.replace(" ", "")):
+        parser.error(f"--layers {reft_args.layers!r}: expected 'all' or layer numbers separated by commas, as 2,10,18")
+    if reft_args.rank < 1:
+        parser.error(f"--rank {reft_args.rank}: an intervention of rank {reft_args.rank} has nothing to train; "
+                     "give a low_rank_dimension of at least 1 (default 4)")
+    if positions_counts(reft_args.positions) is None:
+        parser.error(f"--positions {reft_args.positions!r}: pyreft reads it as no position, and nothing would train; "
+                     "expected first n and/or last n prompt positions as fN, lN or fN+lN with a count of at least 1 "
+                     "(f1+l1, l1, f2)")
+    if reft_args.model_max_length is not None and reft_args.model_max_length < 2:
+        parser.error(f"--model_max_length {reft_args.model_max_length}: an example needs at least one prompt and "
+                     "one answer token; give at least 2, or leave it out for the model's length")
     training_args.resume_from_checkpoint = checkpoint_to_resume(parser, training_args)
     return reft_args, training_args
 
@@ -82,7 +102,7 @@ def checkpoint_to_resume(parser, training_args):
     from transformers.trainer_utils import get_last_checkpoint
 
     given = training_args.resume_from_checkpoint
-    if given is None:
+    if given is None or given.lower() in ("false", "none"):
         return None
     if given.lower() in ("true", "last"):
         found = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
@@ -93,6 +113,9 @@ def checkpoint_to_resume(parser, training_args):
     if not os.path.isdir(given):
         parser.error(f"--resume_from_checkpoint {given}: no such folder; name a checkpoint folder that a run saved "
                      "(OUTPUT_DIR/checkpoint-N), or pass True for the newest one in --output_dir")
+    if not os.path.isfile(os.path.join(given, "trainer_state.json")):
+        parser.error(f"--resume_from_checkpoint {given}: not a checkpoint (no trainer_state.json in it); name a "
+                     "checkpoint-N folder that HF Trainer saved, or pass True for the newest one in --output_dir")
     return given
 
 
@@ -145,15 +168,82 @@ def build_reft_model(reft_args, model):
 
 
 def read_examples(path):
+    """The examples of ``--data``: a JSON list, or JSONL, of objects with a string ``instruction`` and ``output``."""
     with open(path) as file:
         text = file.read()
-    examples = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in
-                                                                        text.splitlines() if line.strip()]
+    try:
+        examples = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in
+                                                                            text.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"train_reft.py: --data {path} is neither a JSON list nor JSONL ({error})") from None
+    if not examples:
+        raise SystemExit(f"train_reft.py: --data {path} holds no examples; expected a JSON list (or JSONL) of "
+                         "{'instruction': ..., 'output': ...}")
     for number, example in enumerate(examples):
-        if not {"instruction", "output"} <= set(example):
-            raise ValueError(f"--data {path}: example {number} has keys {sorted(example)}, expected "
-                             "'instruction' and 'output'")
+        if not isinstance(example, dict) or not {"instruction", "output"} <= set(example):
+            found = f"keys {sorted(example)}" if isinstance(example, dict) else f"the {type(example).__name__} {example!r:.40}"
+            raise SystemExit(f"train_reft.py: --data {path}: example {number} has {found}, expected 'instruction' "
+                             "and 'output'")
+        for key in ("instruction", "output"):
+            if not isinstance(example[key], str):
+                raise SystemExit(f"train_reft.py: --data {path}: example {number}'s {key!r} is "
+                                 f"{json.dumps(example[key])}, expected a string (the {key} text)")
     return examples
+
+
+def check_training_data(reft_args, data_module, tokenizer, model) -> None:
+    """Stop before the first step when nothing would train, and warn about examples that train less than asked.
+
+    pyreft's data helpers cut each example to the tokenizer's ``model_max_length``: an example whose prompt
+    fills it keeps no answer token (every label -100, loss 0 and no gradient). They cap the first and the last
+    positions at half the prompt's length each and fill the rest with the first answer token's position
+    (``get_intervention_locations``), so ``--positions l200`` on short prompts intervenes there over and over."""
+    labels = data_module["train_dataset"]["labels"]
+    prompt_lengths = [sum(1 for label in row if label == -100) for row in labels]
+    cut = [number for number, row in enumerate(labels) if all(label == -100 for label in row)]
+    length = tokenizer.model_max_length
+    if len(cut) == len(labels):
+        raise SystemExit(
+            f"train_reft.py: every example's answer is cut off: examples are cut to --model_max_length {length} "
+            f"tokens and every prompt fills them, so nothing would train; raise --model_max_length (the model takes "
+            f"{max_positions(model.config)}) or shorten the instructions")
+    if cut:
+        warn(f"{len(cut)} of {len(labels)} examples have no answer token left after cutting to --model_max_length "
+             f"{length} (examples {_some(cut)}): they train nothing; raise --model_max_length or shorten them")
+    first, last = positions_counts(reft_args.positions)
+    capped = [number for number, prompt in enumerate(prompt_lengths) if max(first, last) > prompt // 2]
+    if capped:
+        fits = min(prompt_lengths) // 2
+        what = (f"--positions {reft_args.positions}: pyreft takes at most half of a prompt's tokens for each of the "
+                "first and last positions and repeats the first answer token's position for the rest, and ")
+        advice = f"use at most {fits} for each (the shortest prompt has {min(prompt_lengths)} tokens)" if fits else \
+            "lengthen the prompts (some have a single token)"
+        if len(capped) == len(labels):
+            raise SystemExit(f"train_reft.py: {what}every prompt is too short for it (the longest has "
+                             f"{max(prompt_lengths)} tokens); {advice}")
+        warn(f"{what}{len(capped)} of {len(labels)} prompts are too short for it (examples {_some(capped)}); "
+             f"{advice}, or leave them capped")
+
+
+def warn(message: str) -> None:
+    logger.warning(f"train_reft.py: {message}")
+    warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def _some(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
+
+
+def check_writable(flag: str, folder: str) -> None:
+    """Stop at once when a folder the run saves to cannot be written, rather than after training, with a bare
+    ``open file failed with strerror: Operation not permitted`` that names no file."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise SystemExit(f"train_reft.py: {flag} {folder} cannot be written ({type(error).__name__}: "
+                         f"{error.strerror or error}); choose a folder this process may create files in") from None
 
 
 def train_settings(reft_args, model) -> dict:
@@ -166,16 +256,20 @@ def train_settings(reft_args, model) -> dict:
 
 def main(argv=None):
     reft_args, training_args = parse_arguments(argv)
+    examples = read_examples(reft_args.data)
+    save_dir = reft_args.save_dir or os.path.join(training_args.output_dir, "reft")
+    check_writable("--output_dir", training_args.output_dir)
+    check_writable("--save_dir" if reft_args.save_dir else "--output_dir", save_dir)
     transformers.set_seed(training_args.seed)  # every process builds the same interventions
     tokenizer, model = load_model(reft_args)
     reft_model = build_reft_model(reft_args, model)
     reft_model.print_trainable_parameters()
 
-    examples = read_examples(reft_args.data)
     data_module = pyreft.make_multiple_position_supervised_data_module(
         tokenizer, model, [example["instruction"] for example in examples],
         [example["output"] for example in examples], positions=reft_args.positions,
         num_interventions=len(reft_model.interventions), share_weights=reft_args.share_weights)
+    check_training_data(reft_args, data_module, tokenizer, model)
     trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=training_args,
                                             **data_module)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -184,7 +278,6 @@ def main(argv=None):
     # Save once, in pyreft's format (the files save_to_hf_hub uploads). Every rank takes part: under
     # ZeRO-3 `gathered` collects the partitioned interventions (a collective). Rank 0 writes to
     # save_dir, the others to a scratch folder they drop.
-    save_dir = reft_args.save_dir or os.path.join(training_args.output_dir, "reft")
     with gathered(reft_model), tempfile.TemporaryDirectory() as scratch:
         reft_model.save(save_dir if trainer.is_world_process_zero() else scratch, save_to_hf_hub=False)
     if trainer.is_world_process_zero():

@@ -154,13 +154,17 @@ def test_train_reft_resumes_from_the_newest_checkpoint(model_folder, tmp_path):
                                    msg=lambda message, name=name: f"{name}: {message}")
 
 
-#: (--resume_from_checkpoint, the folders in --output_dir, what parsing gives: the checkpoint or the error's words)
+#: (--resume_from_checkpoint, the folders in --output_dir (a name ending in / is a folder without HF Trainer's
+#: trainer_state.json), what parsing gives: the checkpoint or the error's words)
 RESUME_ARGUMENTS = [
     ("OUT/checkpoint-3", ["checkpoint-3"], "OUT/checkpoint-3"),
     ("True", ["checkpoint-2", "checkpoint-10"], "OUT/checkpoint-10"),
     ("last", ["checkpoint-2"], "OUT/checkpoint-2"),
     ("OUT/checkpoint-9", ["checkpoint-3"], "error: --resume_from_checkpoint OUT/checkpoint-9: no such folder"),
     ("True", [], "error: --resume_from_checkpoint True: --output_dir OUT holds no checkpoint-N folder"),
+    ("OUT/checkpoint-3", ["checkpoint-3/"], "error: --resume_from_checkpoint OUT/checkpoint-3: not a checkpoint (no "
+                                            "trainer_state.json in it)"),
+    ("False", ["checkpoint-3"], None),
 ]
 
 PARSE = """
@@ -190,6 +194,8 @@ def test_train_reft_resume_argument(tmp_path):
         out = tmp_path / str(number)
         for name in folders:
             (out / name).mkdir(parents=True)
+            if not name.endswith("/"):
+                (out / name / "trainer_state.json").write_text("{}")
         argvs.append(["--model", "m", "--data", "d.json", "--output_dir", str(out),
                       "--resume_from_checkpoint", given.replace("OUT", str(out))])
     result = subprocess.run([sys.executable, "-c", PARSE, json.dumps(argvs)], cwd=ROOT, capture_output=True,
@@ -197,8 +203,8 @@ def test_train_reft_resume_argument(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("PARSED ")]
     assert result.returncode == 0 and lines, result.stderr[-4000:]
     for number, ((given, _, expected), found) in enumerate(zip(RESUME_ARGUMENTS, json.loads(lines[0][7:]))):
-        expected = expected.replace("OUT", str(tmp_path / str(number)))
-        if expected.startswith("error: "):
+        expected = expected and expected.replace("OUT", str(tmp_path / str(number)))
+        if expected and expected.startswith("error: "):
             assert expected[len("error: "):] in found, (given, found)
         else:
             assert found == expected, (given, found)
