@@ -129,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
         description="Save a Llama with random weights (hidden 32, 2 layers) and a byte-level BPE tokenizer "
                     "trained here, with save_pretrained: a folder that AutoModelForCausalLM and AutoTokenizer "
                     "load. Nothing is downloaded.")
-    tiny.add_argument("folder", help="where to save it (created)")
+    tiny.add_argument("folder", help="where to save it: a new or empty folder (created)")
     return root
 
 
@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(fix_list.to_json(found) if arguments.json else fix_list.table(found))
         return 0
     if arguments.command == "tiny-model":
-        from .testing.models import save_checkpoint
-
-        print(save_checkpoint(arguments.folder))
-        return 0
+        return _tiny_model(arguments.folder)
     from . import check, patch
 
     progress = check.Progress(sys.stderr)
@@ -200,6 +197,26 @@ def _plan(arguments) -> int:
     try:
         zero = json.loads(arguments.zero)
     except json.JSONDecodeError as error:
+def _tiny_model(folder: str) -> int:
+    """Save into a new or empty folder only: saving over another model left its other files beside the tiny one's
+    config.json (a mixed folder that loads neither), and a file in the way was reported as saved."""
+    import os
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return _usage(f"tiny-model {folder}: a file is there; give a new or empty folder")
+    if os.path.isdir(folder) and os.listdir(folder):
+        held = sorted(os.listdir(folder))
+        return _usage(f"tiny-model {folder}: the folder holds {len(held)} entr{'y' if len(held) == 1 else 'ies'} "
+                      f"({', '.join(held[:3])}{', ...' * (len(held) > 3)}); give a new or empty folder")
+    from .testing.models import save_checkpoint
+
+    try:
+        print(save_checkpoint(folder))
+    except OSError as error:
+        return _usage(f"tiny-model {folder}: cannot be written ({type(error).__name__}: {error.strerror or error})")
+    return 0
+
+
         return _usage(f"--zero {arguments.zero!r} is not JSON ({error}); expected an object such as "
                       '\'{"stage3_max_live_parameters": 3e7}\'')
     if not isinstance(zero, dict):
