@@ -184,19 +184,6 @@ def _case(arguments, world_sizes: list[int]):
     return dataclasses.replace(case, batch_size=batch_size(case, world_sizes))
 
 
-def _usage(message: str) -> int:
-    print(f"pyvene-dist: {message}", file=sys.stderr)
-    return 2
-
-
-def _plan(arguments) -> int:
-    import json
-
-    from . import plan
-
-    try:
-        zero = json.loads(arguments.zero)
-    except json.JSONDecodeError as error:
 def _tiny_model(folder: str) -> int:
     """Save into a new or empty folder only: saving over another model left its other files beside the tiny one's
     config.json (a mixed folder that loads neither), and a file in the way was reported as saved."""
@@ -217,6 +204,19 @@ def _tiny_model(folder: str) -> int:
     return 0
 
 
+def _usage(message: str) -> int:
+    print(f"pyvene-dist: {message}", file=sys.stderr)
+    return 2
+
+
+def _plan(arguments) -> int:
+    import json
+
+    from . import plan
+
+    try:
+        zero = json.loads(arguments.zero)
+    except json.JSONDecodeError as error:
         return _usage(f"--zero {arguments.zero!r} is not JSON ({error}); expected an object such as "
                       '\'{"stage3_max_live_parameters": 3e7}\'')
     if not isinstance(zero, dict):
