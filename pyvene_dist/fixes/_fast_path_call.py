@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .locations import check_intervention_dtypes
+
 if TYPE_CHECKING:
     from .fast_path import Plan, Step
 
@@ -61,6 +63,7 @@ def _call(model, base, unit_locations) -> Call | None:
     first = next(iter(base.values()))
     if not isinstance(first, torch.Tensor) or first.dim() < 1:
         return None
+    check_intervention_dtypes(model, base)  # a pyreft layer in another dtype than the model: named, not a matmul's
     batch = first.shape[0]
     ids = base.get("input_ids", base.get("inputs_embeds"))
     length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
@@ -90,11 +93,14 @@ def _as_tensor(side, count: int) -> torch.Tensor | None:
     """The base side's locations, ``[interventions, batch, positions]``: a tensor as given (int64), or lists
     of equal length made one; None for anything else (ragged, missing entries)."""
     if isinstance(side, torch.Tensor):
+        if side.is_floating_point():  # float positions: the general path refuses them (fixes.locations)
+            return None
         return side if side.dtype == torch.long else side.long()
     if not isinstance(side, (list, tuple)) or len(side) != count:
         return None
     try:
-        return torch.tensor(side, dtype=torch.long)
+        found = torch.tensor(side)
+        return None if found.is_floating_point() else found.long()  # 7.5 is refused on the general path
     except (TypeError, ValueError, RuntimeError):  # ragged, None entries, or one tensor per intervention
         pass
     if not all(isinstance(entry, torch.Tensor) for entry in side) or len({entry.shape for entry in side}) != 1:

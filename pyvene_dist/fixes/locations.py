@@ -29,18 +29,27 @@ the host. pyvene checks none of it: 5 rows for a batch of 4, locations for 1 of 
 position 8 in a sequence of 8 fail deep inside with ``RuntimeError: Size does not match at dimension
 0``, ``IndexError: list index out of range`` or ``RuntimeError: index 8 is out of bounds``, and 2 rows
 for a batch of 4 give wrong outputs for examples 2 and 3. Now: one entry per intervention, one row per
-example (or one for them all), positions of ``pos`` units inside the base sequence, and for
-``subspaces`` one entry per intervention and one row per example; the error names the entry, e.g.
+example (or one for them all), each row a list of integer positions (a float ``7.5`` ran as position 7, and a
+flat ``[7, 7]`` for two interventions failed with ``object of type 'int' has no len()``), positions of ``pos``
+units inside the base sequence, and for ``subspaces`` one entry per intervention and one row per example; the
+error names the entry, e.g.
 ``unit_locations['sources->base'][1][0] has 2 rows but the batch has 4 examples``, as a
 ``LocationError``: a ``ValueError``, and an ``IndexError`` as pyvene's own failure for locations given to
 1 of 2 interventions was (its ``test_with_subspace_negative`` catches that). Only lengths and
 shapes are read, and values only where they are on the host (lists, CPU tensors): nothing waits for
 the GPU. Locations already on the GPU (pyreft's collated tensor) have their shape checked, not their values.
 
+pyreft's interventions take ``dtype=`` and default to ``torch.bfloat16``; on a float32 model outside autocast
+LoReFT's ``learned_source`` failed with ``mat1 and mat2 must have the same dtype``. The same check refuses it
+first, naming the intervention, the layer, both dtypes and the three ways out (``check_intervention_dtypes``),
+once per model and dtype.
+
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -67,6 +76,7 @@ def _wrap_input_validation(wrapped, instance, args, kwargs):
     repeat_one_row(instance, base, unit_locations)
     check_unit_locations(instance, base, unit_locations)
     check_subspaces(instance, base, subspaces)
+    check_intervention_dtypes(instance, base)
     result = wrapped(*args, **kwargs)
     if unit_locations:
         _put_on_device(instance, unit_locations)
@@ -142,9 +152,11 @@ def check_unit_locations(model, base, unit_locations) -> None:
                 name = f"{where}[{index}]"
                 if _is_nested(locations, unit):
                     for level, levelled in enumerate(locations):
+                        _check_row_form(f"{name}[{level}]", levelled)
                         _check_rows(f"{name}[{level}]", levelled, batch, shared_row=True)
                     _check_positions(f"{name}[1]", locations[1], length if side == 1 else None)
                 else:
+                    _check_row_form(name, locations)
                     _check_rows(name, locations, batch, shared_row=True)
                     if unit == "pos":
                         _check_positions(name, locations, length if side == 1 else None)
@@ -180,6 +192,70 @@ def _check_count(where: str, part, expected: int) -> None:
     if found is not None and found != expected:
         raise LocationError(f"{where} has {found} entr{'y' if found == 1 else 'ies'} but the model has {expected} "
                             "interventions: give one entry per intervention (None to leave one out)")
+
+
+def _check_row_form(where: str, rows) -> None:
+    """Rows of integer positions: a list (or tensor) of rows, each a list of integers. Only what is on the host
+    is read: a tensor's dtype, a list's items."""
+    if isinstance(rows, torch.Tensor):
+        if rows.is_floating_point() or rows.is_complex():
+            raise LocationError(f"{where} is a tensor of {rows.dtype}; positions are integers: give a torch.long "
+                                "tensor")
+        return
+    if isinstance(rows, numbers.Number):
+        raise LocationError(f"{where} is {rows!r}, expected rows of positions: one list per example, such as "
+                            f"[[{rows!r}]] * batch_size, or one row for them all, [[{rows!r}]]")
+    if not isinstance(rows, (list, tuple)):
+        return
+    for number, row in enumerate(rows):
+        if isinstance(row, numbers.Number):
+            raise LocationError(f"{where}[{number}] is {row!r}, expected a list of positions such as [{row!r}]: "
+                                "one list per example")
+        if isinstance(row, (list, tuple)):
+            for position in row:
+                if isinstance(position, numbers.Real) and not isinstance(position, numbers.Integral):
+                    raise LocationError(f"{where}[{number}] holds position {position!r}; positions are integers "
+                                        f"(pyvene would take {int(position)})")
+
+
+#: The layers pyreft's interventions call on the hidden states as given (no cast), by class: each must hold the
+#: model's dtype. LoReFT's rotation (``LowRankRotateLayer``) and DiReFT cast for themselves.
+HIDDEN_STATE_LAYERS = {"LoreftIntervention": ("learned_source",), "NoreftIntervention": ("proj_layer", "learned_source"),
+                       "NodireftIntervention": ("proj_layer", "learned_source")}
+
+
+def check_intervention_dtypes(model, base) -> None:
+    """Refuse a pyreft intervention whose layers meet the hidden states in another floating dtype, outside
+    autocast, before its first matmul fails with ``mat1 and mat2 must have the same dtype``.
+
+    The model's dtype is its input embeddings' (or ``inputs_embeds``'); sharded embeddings (FSDP's DTensor,
+    whose compute dtype its mixed-precision policy decides) and interventions with forward pre-hooks (which may
+    cast their input, as ``fixes._compute_dtype`` does) are left alone. Checked once per model and dtype."""
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        return
+    embeds = base.get("inputs_embeds") if isinstance(base, dict) else None
+    if embeds is None:
+        embedding = getattr(model.model, "get_input_embeddings", lambda: None)()
+        embeds = getattr(embedding, "weight", None)
+    if not isinstance(embeds, torch.Tensor) or type(embeds).__name__ == "DTensor" or not embeds.is_floating_point():
+        return
+    expected = embeds.dtype
+    if getattr(model, "_pyvene_dist_dtype_checked", None) is expected:
+        return
+    for key, intervention in model.interventions.items():
+        kind = type(intervention)
+        if not kind.__module__.startswith("pyreft.") or intervention._forward_pre_hooks:
+            continue
+        for name in HIDDEN_STATE_LAYERS.get(kind.__name__, ()):
+            weight = getattr(getattr(intervention, name, None), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != expected:
+                raise ValueError(
+                    f"the intervention {key} ({kind.__name__}) holds its {name} in {weight.dtype} but the model "
+                    f"computes in {expected}: its first matmul would fail (mat1 and mat2 must have the same dtype). "
+                    f"pyreft's interventions take dtype= and default to torch.bfloat16: build them with "
+                    f"dtype={expected}, load the model in {weight.dtype}, or run under autocast "
+                    "(TrainingArguments(bf16=True), torch.autocast)")
+    model._pyvene_dist_dtype_checked = expected
 
 
 def _check_rows(where: str, rows, batch: int | None, *, shared_row: bool = False) -> None:
