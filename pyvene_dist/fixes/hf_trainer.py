@@ -8,7 +8,13 @@
    traversal every step. Every parameter of a ReFT model that trains is used in every forward, so for
    pyvene models it defaults to ``False`` (``ddp_find_unused_parameters`` still overrides).
 
-Both act on ``transformers.Trainer`` (pyreft's trainers and a plain Trainer alike) and only for models
+3. On CPU (``use_cpu``) HF's ``TrainingArguments`` make the gloo process group without ``ddp_timeout`` (they pass
+   it on GPUs only), so a rank that stops leaves the others waiting gloo's default 30 minutes, whatever
+   ``--ddp_timeout`` says. Where the arguments set another ``ddp_timeout`` than the default, it is given to the
+   process group when the trainer is made (``torch.distributed``'s ``_set_pg_timeout``): the collective that
+   waits raises after it, naming the operation that timed out.
+
+All act on ``transformers.Trainer`` (pyreft's trainers and a plain Trainer alike) and only for models
 holding a pyvene model. pyreft's ``hf_trainer.diff`` does the same in ``ReftTrainer``, so with it upstream a
 plain Trainer needs pyvene_dist for these (docs/upstreaming.md). Split from the ``trainer`` fix, whose other
 items are ``pyreft_trainer``'s. ``transformers.trainer`` is patched when (and if) it is imported.
@@ -16,6 +22,10 @@ Checked on transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
 
 from .._records import Fix, Site
 from ._models import holds_intervenable_model
@@ -42,6 +52,8 @@ def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
 
 def _wrap_create_accelerator(wrapped, instance, args, kwargs):
     arguments = instance.args
+    if holds_intervenable_model(instance.model):
+        _give_the_timeout_to_a_cpu_group(arguments)
     if arguments.ddp_find_unused_parameters is not None or not holds_intervenable_model(instance.model):
         return wrapped(*args, **kwargs)
     arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
@@ -49,3 +61,21 @@ def _wrap_create_accelerator(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         arguments.ddp_find_unused_parameters = None
+
+
+def _give_the_timeout_to_a_cpu_group(arguments) -> None:
+    """``ddp_timeout``, where the arguments set one, for the process group HF made on CPU without it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    default = next(field.default for field in dataclasses.fields(type(arguments)) if field.name == "ddp_timeout")
+    if not getattr(arguments, "use_cpu", False) or arguments.ddp_timeout == default \
+            or not (dist.is_available() and dist.is_initialized()):
+        return
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        logging.getLogger("pyvene_dist").warning(
+            "ddp_timeout=%s does not reach the CPU process group (this torch has no _set_pg_timeout): a stopped rank "
+            "leaves the others waiting gloo's own timeout", arguments.ddp_timeout)
+        return
+    set_timeout(datetime.timedelta(seconds=arguments.ddp_timeout))

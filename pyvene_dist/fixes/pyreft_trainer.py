@@ -63,7 +63,16 @@
    at the first checkpoint, or went on with another collective's data (the issue saw ``RuntimeError:
    Parent directory .../checkpoint-2 does not exist`` in 2 of 3 runs). pyreft's trainers compare the
    arguments that schedule those collectives across ranks at ``train`` and raise on every rank, naming each
-   argument and each rank's value.
+   argument and each rank's value. The ranks' numbers of training examples are compared with them: ranks that
+   read different data files ran different numbers of steps, and failed at the end with gloo's ``Received data
+   size doesn't match expected size``.
+9. A script that starts its ranks itself (``mp.spawn``, as an early version of that example did) and joins
+   the process group with ``init_process_group(rank=..., world_size=...)`` leaves ``RANK``, ``LOCAL_RANK`` and
+   ``WORLD_SIZE`` unset. HF's ``TrainingArguments`` read those (through accelerate), so every rank took itself
+   for the only process: each saved every checkpoint into the same folder (``RuntimeError: Parent directory
+   OUT/checkpoint-2 does not exist`` in 3 of 4 runs) and trained on the whole data set. pyreft's trainers
+   take the ranks from the process group where the variables are missing (the local rank from the ranks'
+   host names), set them, and have the arguments find their devices again, with one warning.
 
 pyreft is patched when (and if) it is imported.
 Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
@@ -73,6 +82,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import os
 
 import torch
 
@@ -202,6 +213,7 @@ def _reft_trainer_init(self, *args, **kwargs):
         if kwargs.get("processing_class") is not None:
             raise TypeError(f"{type(self).__name__}: pass tokenizer= or processing_class=, not both")
         kwargs["processing_class"] = kwargs.pop("tokenizer")
+    _take_ranks_from_the_process_group(kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None)
     _adopt_old_signatures(type(self))
     super(ReftTrainer, self).__init__(*args, **kwargs)
     if holds_intervenable_model(self.model) and _runs_pyrefts_loss(type(self)) and self.args.n_gpu <= 1:
@@ -210,6 +222,41 @@ def _reft_trainer_init(self, *args, **kwargs):
         # batch's mean, as HF computes it for models that take loss keywords.
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = _runs_causal_lm_loss(type(self), self.model)
+
+
+#: What torchrun sets in each rank's environment, and HF's TrainingArguments (through accelerate) read.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _take_ranks_from_the_process_group(arguments) -> None:
+    """Where a process group of several ranks exists but ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` are unset (ranks
+    started with ``mp.spawn``), set them from the group and have ``arguments`` find their devices again: HF's
+    arguments read the variables, and without them every rank is process 0 of 1. A collective (the ranks'
+    host names, for the local rank), on every rank: each makes its trainer."""
+    import socket
+
+    import torch.distributed as dist
+
+    if arguments is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
+            or all(name in os.environ for name in RANK_VARIABLES[:3]):
+        return
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    rank = dist.get_rank()
+    found = {"RANK": rank, "LOCAL_RANK": hosts[:rank].count(hosts[rank]), "WORLD_SIZE": len(hosts),
+             "LOCAL_WORLD_SIZE": hosts.count(hosts[rank])}
+    missing = [name for name in RANK_VARIABLES if name not in os.environ]
+    for name in missing:
+        os.environ[name] = str(found[name])
+    # a cached_property, found as one process: found again now, before Trainer.__init__ builds its Accelerator
+    # (finding them resets accelerate's state, the Accelerator's included)
+    arguments.__dict__.pop("_setup_devices", None)
+    _ = arguments._setup_devices
+    logging.getLogger("pyvene_dist").warning(
+        "rank %d: the process group has %d ranks but %s %s not set (ranks started with mp.spawn?); HF Trainer read "
+        "this process as the only one, so every rank saved as the main process. Set them from the group: %s",
+        rank, len(hosts), "/".join(missing), "was" if len(missing) == 1 else "were",
+        ", ".join(f"{name}={found[name]}" for name in missing))
 
 
 def _runs_pyrefts_loss(trainer_class) -> bool:
@@ -297,8 +344,16 @@ def _refuse_schedules_that_differ_between_ranks(trainer) -> None:
         return
     schedule = {name: getattr(getattr(trainer.args, name, None), "value", getattr(trainer.args, name, None))
                 for name in SCHEDULE_ARGUMENTS}  # an enum's value: "steps", not IntervalStrategy.STEPS
+    schedule[EXAMPLES] = _length(trainer.train_dataset)
     schedules = [None] * dist.get_world_size()
     dist.all_gather_object(schedules, schedule)
+    if any(other[EXAMPLES] != schedule[EXAMPLES] for other in schedules):
+        counts = ", ".join(f"{other[EXAMPLES]} on rank {rank}" for rank, other in enumerate(schedules))
+        raise ValueError(
+            f"{type(trainer).__name__}.train: the ranks' training data differ: {EXAMPLES} is {counts}. Each rank "
+            "trains on its share of one data set, and ranks with different data run different numbers of steps "
+            "(the run ends in a collective of another size). Give every rank the same data (the same file, read "
+            "the same way).")
     differing = [name for name in SCHEDULE_ARGUMENTS if any(other[name] != schedule[name] for other in schedules)]
     if differing:
         values = "; ".join(f"{name} is " + ", ".join(f"{other[name]!r} on rank {rank}"
@@ -309,6 +364,16 @@ def _refuse_schedules_that_differ_between_ranks(trainer) -> None:
             "across ranks when it logs, saves and evaluates, so ranks on different schedules wait on each other's "
             "collectives (a hang, or another collective's data). Give every rank the same values (pyreft's "
             "examples/alpaca/train_multigpu.py sets logging_steps=1 on rank 0 only: pass --logging_steps 1).")
+
+
+EXAMPLES = "len(train_dataset)"
+
+
+def _length(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # an IterableDataset, or none
+        return None
 
 
 def _refuse_a_partition_in_another_dtype(trainer) -> None:
