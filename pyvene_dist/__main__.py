@@ -91,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", type=dtype_name, choices=CHECK_DTYPES, default="float32")
     check.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
     check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    check.add_argument("--quantize", choices=("4bit", "8bit"),
+                       help="load the base model quantized by bitsandbytes (4bit: nf4, stored in --dtype), both the "
+                            "reference and every strategy; runs the strategies that take it (docs/quantized.md)")
 
     plan = commands.add_parser(
         "plan", help="estimate the memory per GPU of ReFT training under each strategy",
@@ -116,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", "--gpu_memory", type=_gib,
                       help="GiB per GPU (default: the first GPU's, or 80 without one)")
     plan.add_argument("--json", action="store_true", help="print the estimates as JSON instead of a table")
+    plan.add_argument("--quantize", choices=("4bit", "8bit"),
+                      help="the base's linear layers quantized by bitsandbytes; adds FSDP2 with CPU offload, leaves "
+                           "out what cannot shard it (docs/quantized.md)")
 
     listing = commands.add_parser(
         "fixes", help="list the fixes and whether patch() applies them here",
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = check.Progress(sys.stderr)
     try:
         world_sizes = arguments.world_sizes or check.default_world_sizes()
+        if arguments.quantize:
+            arguments.strategies = check.quantized_strategies(arguments.strategies, arguments.quantize)
         check.validate(arguments.strategies, world_sizes)
         case = _case(arguments, world_sizes)
         print(check.case_summary(case), file=sys.stderr, flush=True)
@@ -170,6 +178,11 @@ def _case(arguments, world_sizes: list[int]):
     from .testing.models import BASE_MODELS, VOCAB_SIZE
 
     case = CheckCase(model=arguments.model, dtype=arguments.dtype, steps=arguments.steps)
+    if arguments.quantize:
+        from .testing.quantized import QuantizedCase
+
+        case = QuantizedCase(model=arguments.model, dtype=arguments.dtype, steps=arguments.steps,
+                             quantize=arguments.quantize)
     if arguments.model not in BASE_MODELS:
         try:
             config = model_config(arguments.model)
@@ -232,7 +245,8 @@ def _plan(arguments) -> int:
         return _usage(f"--layers {','.join(map(str, layers))}: {arguments.model} has decoder layers "
                       f"0-{shape.layers - 1}, not {','.join(map(str, outside))}")
     run = plan.Run(gpus=arguments.gpus, nodes=arguments.nodes, batch=arguments.batch, seq_len=arguments.seq_len,
-                   dtype=arguments.dtype, rank=arguments.rank, layers=layers, attention=arguments.attention, zero=zero)
+                   dtype=arguments.dtype, rank=arguments.rank, layers=layers, attention=arguments.attention, zero=zero,
+                   quantize=arguments.quantize)
     estimates = plan.plan(shape, run)
     gpu_memory = arguments.gpu_memory or plan.detected_gpu_memory() or 80.0
     if arguments.json:

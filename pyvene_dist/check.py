@@ -62,6 +62,13 @@ CHECKED = (
     "device_map",
 )
 REFERENCE = "single"
+#: What ``check --quantize`` runs by default, and all it takes: the strategies that train LoReFT over that
+#: bitsandbytes base with one process's results (``pyvene_dist.quantized.SHARDS``, with accelerate's DDP and
+#: checkpointing), on the CPU too.
+QUANTIZED_CHECKED = {
+    "4bit": ("ddp", "fsdp2", "fsdp2+checkpointing", "accelerate", "zero3", "zero3+checkpointing"),
+    "8bit": ("ddp", "accelerate", "zero3"),
+}
 
 
 @dataclasses.dataclass
@@ -107,6 +114,22 @@ def validate(strategies: Iterable[str], world_sizes: Iterable[int]) -> None:
     if all(why is not None for _, _, why in planned):
         reasons = "; ".join(f"{name} x{size} {why}" for name, size, why in planned)
         raise UsageError(f"none of the strategies asked for can run here: {reasons}")
+
+
+def quantized_strategies(strategies: list[str], quantize: str) -> list[str]:
+    """The strategies ``check --quantize`` runs: all that take ``quantize`` when ``strategies`` is the default (every
+    one of ``CHECKED``); ``UsageError`` naming a strategy asked for that does not take it."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError(f"--quantize {quantize} loads the model with bitsandbytes, which is not installed here: "
+                         'pip install "pyvene_dist[quantize]"')
+    allowed = QUANTIZED_CHECKED[quantize]
+    if list(strategies) == list(CHECKED):
+        return list(allowed)
+    refused = [name for name in strategies if name not in allowed and name != REFERENCE]
+    if refused:
+        raise UsageError(f"--strategies {','.join(refused)} with --quantize {quantize}: check runs a {quantize} base "
+                         f"under {', '.join(allowed)} (docs/quantized.md)")
+    return list(strategies)
 
 
 def plan(strategies: Iterable[str], world_sizes: Iterable[int]) -> list[tuple[str, int]]:
@@ -234,6 +257,9 @@ def case_summary(case: CheckCase) -> str:
         source = "its weights"
     else:
         source = f"built from its config with random weights, seed {case.seed}"
+    quantize = getattr(case, "quantize", None)
+    if quantize is not None:
+        source += f", loaded in {quantize} by bitsandbytes"
     plural = "s" if len(case.layers) > 1 else ""
     return (f"model {case.model} ({source}); {case.intervention} rank {case.rank} at {case.component} of "
             f"layer{plural} {', '.join(map(str, case.layers))}; {case.dtype}, {case.steps} steps of "

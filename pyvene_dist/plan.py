@@ -23,6 +23,15 @@ GIB = 2**30
 #: The strategies `pyvene-dist plan` estimates, as named in the harness's registry.
 PLANNED = ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload", "device_map")
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+#: The strategies planned for a quantized base (``--quantize``): FSDP2 also with its CPU offload
+#: (``CPUOffloadPolicy``), what PEFT and fsdp_qlora use for a 70B on 2 x 24 GB.
+QUANTIZED_PLANNED = ("ddp", "fsdp2", "fsdp2-offload", "zero2", "zero3", "zero3-offload", "device_map")
+#: Bytes per element of a quantized linear weight, as transformers configures bitsandbytes by default: 4-bit packs
+#: two elements a byte and keeps one float32 absmax per block of 64 (no double quantization); 8-bit (LLM.int8)
+#: one byte an element, plus a float32 scale per output row (``rows``).
+QUANTIZED_BYTES = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
+#: What FSDP cannot shard (``pyvene_dist.quantized``: refused before sharding).
+QUANTIZED_REFUSED = {"8bit": ("fsdp2", "fsdp2-offload")}
 #: DeepSpeed's own defaults for the ZeRO-3 settings that decide what is held gathered or buffered.
 ZERO_DEFAULTS = {"stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e7, "reduce_bucket_size": 5e8}
 
@@ -42,6 +51,12 @@ class Shape:
     kv_heads: int
     vocab: int
     llama_like: bool
+    #: The decoder layers' linear weights, which bitsandbytes quantizes (elements; embeddings, norms and the LM
+    #: head stay in the model's dtype): all layers', the largest layer's, the largest one's, and their output rows.
+    quantizable: int = 0
+    layer_quantizable: int = 0
+    largest_linear: int = 0
+    linear_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +73,7 @@ class Run:
     attention: str = "sdpa"
     zero: dict = dataclasses.field(default_factory=dict)  # ZeRO-3 settings merged over DeepSpeed's defaults
     device: str = "cuda"  # "cpu": the softmax's backward below allocates less there
+    quantize: str | None = None  # "4bit" or "8bit": the base's linear layers quantized (bitsandbytes)
 
     @property
     def world(self) -> int:
@@ -95,6 +111,8 @@ def shape_of(model, name: str = "") -> Shape:
     if layers is None or len(layers) == 0:
         raise ValueError(f"{name or type(model).__name__} has no list of decoder layers")
     inside = {id(p) for p in layers.parameters()}
+    linears = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in layers]
+    layer_linear = [sum(m.weight.numel() for m in found) for found in linears]
     outer = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
              if any(id(p) not in inside for p in m.parameters(recurse=False))]
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
@@ -111,6 +129,10 @@ def shape_of(model, name: str = "") -> Shape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         vocab=config.vocab_size,
         llama_like=hasattr(config, "intermediate_size") and hasattr(config, "rms_norm_eps"),
+        quantizable=sum(layer_linear),
+        layer_quantizable=max(layer_linear),
+        largest_linear=max((m.weight.numel() for found in linears for m in found), default=0),
+        linear_rows=sum(m.out_features for found in linears for m in found),
     )
 
 
@@ -224,29 +246,62 @@ def activation_bytes(shape: Shape, run: Run, layers_here: int | None = None, che
     return here * one_layer + max(loss, backward)
 
 
+def weight_bytes(shape: Shape, run: Run, elements: int | None = None, quantizable: int | None = None,
+                 rows: float | None = None) -> float:
+    """Bytes of ``elements`` base-model parameters (default: all) of which ``quantizable`` are linear weights with
+    ``rows`` output rows: in the training dtype, or with those quantized by ``run.quantize``."""
+    elements = shape.parameters if elements is None else elements
+    if run.quantize is None:
+        return elements * run.bytes
+    quantizable = shape.quantizable if quantizable is None else quantizable
+    rows = shape.linear_rows if rows is None else rows
+    scales = 4 * rows if run.quantize == "8bit" else 0
+    return (elements - quantizable) * run.bytes + quantizable * QUANTIZED_BYTES[run.quantize] + scales
+
+
+def planned(run: Run) -> tuple[str, ...]:
+    """The strategies planned for ``run``: ``QUANTIZED_PLANNED`` for a quantized base, less what cannot shard it."""
+    if run.quantize is None:
+        return PLANNED
+    if run.quantize not in QUANTIZED_BYTES:
+        raise ValueError(f"quantize {run.quantize!r} is not one of {', '.join(QUANTIZED_BYTES)}")
+    refused = QUANTIZED_REFUSED.get(run.quantize, ())
+    return tuple(strategy for strategy in QUANTIZED_PLANNED if strategy not in refused)
+
+
 def estimate(shape: Shape, run: Run, strategy: str) -> Estimate:
-    if strategy not in PLANNED:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(PLANNED)}")
+    known = QUANTIZED_PLANNED if run.quantize else PLANNED
+    if strategy not in known:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(known)}")
+    if strategy not in planned(run):
+        raise ValueError(f"strategy {strategy!r} cannot shard {run.quantize} bases (pyvene_dist.quantized refuses "
+                         f"it); planned for {run.quantize}: {', '.join(planned(run))}")
     if any(layer < 0 or layer >= shape.layers for layer in run.layers):
         raise ValueError(f"layers {list(run.layers)} are not all within the model's {shape.layers} decoder layers")
     e, n = run.bytes, run.world
-    weights = shape.parameters * e
+    weights = weight_bytes(shape, run)
+    # A quantized linear layer computes with its weight dequantized to the training dtype: the largest one at once.
+    dequantized = shape.largest_linear * e if run.quantize else 0.0
     interventions = intervention_bytes(shape, run)
     activations = lambda **kw: (activation_bytes(shape, run, **kw),  # noqa: E731
                                 activation_bytes(shape, run, checkpointed=True, **kw))
-    parameters, gathered = weights, 0.0
-    if strategy == "fsdp2":  # a shard each; one layer gathered while the next is prefetched, and the LM head
-        parameters = weights / n
-        gathered = (2 * shape.layer_parameters + shape.largest_outer_module) * e
+    parameters, gathered = weights, dequantized
+    if strategy.startswith("fsdp2"):  # a shard each (on the host with offload); one layer gathered while the next
+        # is prefetched, and the LM head
+        parameters = 0.0 if strategy == "fsdp2-offload" else weights / n
+        layer = weight_bytes(shape, run, shape.layer_parameters, shape.layer_quantizable,
+                             shape.linear_rows / shape.layers)
+        gathered += 2 * layer + shape.largest_outer_module * e
     elif strategy.startswith("zero3"):
         zero = {**ZERO_DEFAULTS, **run.zero}
         parameters = 0.0 if strategy == "zero3-offload" else weights / n
-        gathered = _zero3_gathered(shape, zero) * e + zero["reduce_bucket_size"] * e
+        per_element = weights / shape.parameters if run.quantize else e  # the live elements' mean size
+        gathered += _zero3_gathered(shape, zero) * per_element + zero["reduce_bucket_size"] * e
     elif strategy == "device_map":  # one process; the layers split over the GPUs, the loss on the last
         parameters = weights / run.gpus
         per_gpu = math.ceil(shape.layers / run.gpus)
         plain, checkpointed = activations(layers_here=per_gpu)
-        return Estimate(strategy, parameters, 0.0, interventions, plain, checkpointed)
+        return Estimate(strategy, parameters, dequantized, interventions, plain, checkpointed)
     plain, checkpointed = activations()
     return Estimate(strategy, parameters, gathered, interventions, plain, checkpointed)
 
@@ -262,7 +317,7 @@ def _zero3_gathered(shape: Shape, zero: dict) -> float:
 
 
 def plan(shape: Shape, run: Run) -> list[Estimate]:
-    return [estimate(shape, run, strategy) for strategy in PLANNED]
+    return [estimate(shape, run, strategy) for strategy in planned(run)]
 
 
 #: The share of a GPU's memory an estimate may fill and still "fit": the rest is for the CUDA context,
@@ -287,8 +342,9 @@ def detected_gpu_memory() -> float | None:
 
 
 def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) -> str:
+    base = f"{run.dtype}" if run.quantize is None else f"base in {run.quantize} (bitsandbytes), computing in {run.dtype}"
     header = (f"{shape.name}: {shape.parameters / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
-              f"{shape.hidden}; {run.dtype}, batch {run.batch} x {run.seq_len} tokens per GPU, LoReFT rank "
+              f"{shape.hidden}; {base}, batch {run.batch} x {run.seq_len} tokens per GPU, LoReFT rank "
               f"{run.rank} at layers {','.join(map(str, run.layers))}; {run.nodes} node(s) x {run.gpus} GPU(s); "
               f"fits = within {USABLE:.0%} of {gpu_memory:g} GiB")
     columns = ("strategy", "weights", "gathered", "ReFT+Adam", "activations", "total", "fits",
@@ -305,9 +361,23 @@ def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) 
     notes = ["GiB per GPU. The base model is frozen: no gradients or optimizer state for it. ZeRO settings: "
              + json.dumps({**ZERO_DEFAULTS, **run.zero}) + ". device_map: one process, the layers split over "
              "the GPUs of one node, --batch its whole batch."]
+    if run.quantize is not None:
+        notes.append(_quantized_note(shape, run))
     if not shape.llama_like:
         notes.append(f"{shape.name} is not a Llama-family decoder: its activations are estimated as if it were.")
     return "\n".join([header, *lines, *notes])
+
+
+def _quantized_note(shape: Shape, run: Run) -> str:
+    refused = QUANTIZED_REFUSED.get(run.quantize, ())
+    held = f"{weight_bytes(shape, run) / run.world / GIB:.2f} GiB of host memory per process"
+    note = (f"{run.quantize}: the decoder layers' linear weights quantized ({shape.quantizable / 1e9:.2f}B elements, "
+            f"{QUANTIZED_BYTES[run.quantize]:g} bytes each{', plus a float32 scale per row' if run.quantize == '8bit' else ''}"
+            f"), the rest in {run.dtype}; gathered includes the largest linear weight dequantized for compute. With "
+            f"offload the shards stay on the host: {held}.")
+    if refused:
+        note += f" Not planned: {', '.join(refused)} (FSDP cannot shard {run.quantize} bases; pyvene_dist refuses it)."
+    return note
 
 
 def _gib(value: float) -> str:
