@@ -376,16 +376,20 @@ def _calls(refts: dict, names: Sequence[str | None], lengths, offsets, on_prompt
 
 def _register(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
     """One hook on ``module`` applying every entry's intervention to its rows: on the first call only
-    (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do."""
+    (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do. In
+    every-token mode the LoReFTs of several ReFTs are applied together (``_StackedLoreft``)."""
     from pyvene.models.modeling_utils import do_intervention
 
     calls = [0]
+    one_by_one, stacked = (entries, None) if on_prompt else _stackable(entries)
 
     def apply(hidden: torch.Tensor) -> None:
-        for item, rows, positions in entries:
+        for item, rows, positions in one_by_one:
             where = (rows, positions)
             intervened = do_intervention(hidden[where], None, item.intervention, None)
             hidden[where] = intervened.to(hidden.dtype)
+        if stacked is not None:
+            stacked.apply(hidden)
 
     def hook(module, args, kwargs, output=None):
         first = calls[0] == 0
@@ -402,3 +406,57 @@ def _register(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
     if pre:
         return module.register_forward_pre_hook(hook, with_kwargs=True)
     return module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _stackable(entries: list) -> tuple[list, _StackedLoreft | None]:
+    """The entries to apply one by one, and the LoReFTs to apply together: those of the ReFTs whose every
+    intervention on this module is pyreft's LoReFT with the identity activation (its default), a bias, and one
+    dtype; only where two ReFTs or more are such (one ReFT keeps pyreft's own forward)."""
+    import pyreft
+    from transformers.activations import LinearActivation
+
+    def stackable(intervention) -> bool:
+        return (type(intervention) is pyreft.LoreftIntervention and isinstance(intervention.act_fn, LinearActivation)
+                and intervention.learned_source.bias is not None and not intervention.training
+                and len({p.dtype for p in intervention.parameters()}) == 1)
+
+    by_reft: dict = {}
+    for entry in entries:
+        by_reft.setdefault(id(entry[1]), []).append(entry)  # one row tensor per ReFT
+    chosen = [group for group in by_reft.values() if all(stackable(item.intervention) for item, _, _ in group)]
+    if len(chosen) < 2:
+        return entries, None
+    stacked_ids = {id(group[0][1]) for group in chosen}
+    stages = [[(group[stage][0].intervention, group[stage][1]) for group in chosen if stage < len(group)]
+              for stage in range(max(len(group) for group in chosen))]
+    return [entry for entry in entries if id(entry[1]) not in stacked_ids], _StackedLoreft(stages)
+
+
+class _StackedLoreft:
+    """Every-token LoReFT of several ReFTs at one module in one set of batched matmuls: stage ``j`` applies the
+    ``j``-th LoReFT of each ReFT here to that ReFT's rows at position 0, ``h + (W h + b - R^T h) R^T`` with each
+    row's own ``R``, ``W`` and ``b`` (in the order of pyreft's forward: ``h R``, ``W h + b``, their difference
+    times ``R^T``). The per-row weights are gathered once per ``generate``, at the first call (the rotations are
+    cached for the ``generate`` then), so a step costs the same few kernels whatever the number of ReFTs."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+        self.weights: list | None = None
+
+    def _stack(self, stage: list) -> tuple:
+        rows = torch.cat([rows for _, rows in stage])
+        parts = [(intervention.rotate_layer.weight, intervention.learned_source.weight.T,
+                  intervention.learned_source.bias, len(rows)) for intervention, rows in stage]
+        rotation = torch.cat([r.expand(n, *r.shape) for r, _, _, n in parts])
+        source = torch.cat([w.expand(n, *w.shape) for _, w, _, n in parts])
+        bias = torch.cat([b.expand(n, 1, *b.shape) for _, _, b, n in parts])
+        return rows, torch.zeros_like(rows), rotation, source, bias
+
+    def apply(self, hidden: torch.Tensor) -> None:
+        if self.weights is None:
+            self.weights = [self._stack(stage) for stage in self.stages]
+        for rows, position, rotation, source, bias in self.weights:
+            base = hidden[rows, position]
+            rotated = torch.bmm(base.to(rotation.dtype), rotation)
+            learned = torch.baddbmm(bias, base, source)
+            hidden[rows, position] = (base + torch.bmm(learned - rotated, rotation.transpose(1, 2))).to(hidden.dtype)

@@ -30,6 +30,7 @@ import pyreft  # noqa: E402
 import transformers  # noqa: E402
 
 import pyvene_dist  # noqa: E402
+from pyvene_dist import serving  # noqa: E402
 from pyvene_dist.serving import SETTINGS, MultiReftModel  # noqa: E402
 from pyvene_dist.testing.models import save_checkpoint  # noqa: E402
 
@@ -40,12 +41,13 @@ REFTS = {
     "lo": ("LoreftIntervention", (0, 1), "f1+l1", False, "block_output"),
     "no": ("NoreftIntervention", (1,), "l1", False, "block_output"),
     "di": ("DireftIntervention", (0,), "f2+l2", True, "mlp_output"),
+    "lo2": ("LoreftIntervention", (0,), "l2", False, "block_output"),  # with "lo" on layer 0: stacked, every token
 }
 #: Prompts of 2 to 11 tokens (the byte-level BPE splits words outside WORDS), padded on the left in a batch;
 #: DiReFT's f2+l2 needs 4.
 PROMPTS = ["red cat runs fast", "big dog", "small bird sits on the tree", "cold river stone sits", "green tree",
-           "the red river runs"]
-ROWS = ["lo", None, "no", "di", "lo", "di"]
+           "the red river runs", "blue house light dark"]
+ROWS = ["lo", None, "no", "di", "lo", "di", "lo2"]
 
 
 def save_reft(base, folder: Path, name: str, seed: int):
@@ -160,10 +162,14 @@ def alone(saved, tokenizer):
 
 
 @pytest.mark.parametrize("on_prompt", [True, False], ids=["prompt", "every-token"])
-def test_each_row_equals_its_reft_alone(many, tokenizer, alone, on_prompt):
+def test_each_row_equals_its_reft_alone(many, tokenizer, alone, on_prompt, monkeypatch):
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     assert len(set(inputs["attention_mask"].sum(1).tolist())) > 2, "the prompts must pad to different lengths"
+    stacked = []  # every token, "lo" and "lo2" on layer 0 go through the stacked LoReFT
+    monkeypatch.setattr(serving._StackedLoreft, "apply", lambda self, hidden, apply=serving._StackedLoreft.apply:
+                        stacked.append(len(self.stages)) or apply(self, hidden))
     ids = many.generate(inputs, refts=ROWS, intervene_on_prompt=on_prompt, **settings(tokenizer, on_prompt))
+    assert stacked == ([] if on_prompt else [2] * (NEW_TOKENS - 1)), stacked
     width = inputs["input_ids"].shape[1]
     for row, (name, prompt) in enumerate(zip(ROWS, PROMPTS)):
         assert generated(ids[row], width, tokenizer.eos_token_id) == alone(name, prompt, on_prompt), \
@@ -177,7 +183,7 @@ def test_one_reft_batch_and_bare_batch(many, tokenizer, alone):
     """Every row of one ReFT (no bare rows), then every row bare: the base model is left as it was."""
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     width = inputs["input_ids"].shape[1]
-    ids = many.generate(inputs, refts=["lo"] * len(PROMPTS), **settings(tokenizer))
+    ids = many.generate(inputs, refts=["lo"] * len(PROMPTS), **settings(tokenizer))  # one ReFT: not stacked
     assert [generated(r, width, tokenizer.eos_token_id) for r in ids] == [alone("lo", p) for p in PROMPTS]
     bare = many.model.generate(**inputs, **settings(tokenizer))
     assert torch.equal(many.generate(inputs, refts=[None] * len(PROMPTS), **settings(tokenizer)), bare)
@@ -256,7 +262,7 @@ def test_server_answers_each_model_as_alone(server, alone, tokenizer):
     batches(log, 2)
 
     with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
-        assert [m["id"] for m in json.load(response)["data"]] == ["base", "di", "lo", "no"]
+        assert [m["id"] for m in json.load(response)["data"]] == ["base", "di", "lo", "lo2", "no"]
 
 
 @pytest.mark.parametrize("body, status, param", [
