@@ -1,0 +1,418 @@
+"""Every input a user gives the examples, the command line and pyvene: a clear error or the right result (issue 38).
+
+Each table is one line per case: the input, and the words of the error (or of the warning of a run that trains)
+it must give. docs/examples/train_reft.py and serve_reft.py run in one subprocess for all their cases
+(``RUNNER``: they patch at import), on a checkpoint folder saved here with a real tokenizer; the command line and
+``unit_locations`` run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+
+ROOT = Path(__file__).parents[1]
+#: Words of the example data: 3-token prompts, 3 answer tokens (pyvene_dist.testing.models.instruction_examples).
+LONG = " ".join(["red cat runs"] * 60)  # 180 prompt tokens: longer than the tiny model's 128 positions
+DATA = {
+    "train": None,  # instruction_examples(4)
+    "empty": [],
+    "null-output": [{"instruction": "red cat runs", "output": " big dog"}, {"instruction": "red cat", "output": None}],
+    "not-objects": ["red cat runs"],
+    "all-long": [{"instruction": LONG, "output": " big dog"}] * 2,
+    "one-long": [{"instruction": LONG, "output": " big dog"}, {"instruction": "red cat runs", "output": " big dog"}],
+    "short-and-long-prompts": [{"instruction": "red", "output": " big dog"},
+                               {"instruction": "red cat runs fast big dog", "output": " big dog"}],
+}
+TRAIN_FLAGS = ("--max_steps", "1", "--learning_rate", "1e-2", "--per_device_train_batch_size", "2", "--report_to",
+               "none", "--save_strategy", "no", "--disable_tqdm", "true", "--use_cpu")
+#: (id, train_reft.py's flags besides --model/--output_dir, --data, "error: ..." or "warning: ..." and its words).
+#: An error is the run's exit message (nothing trained); a warning comes from a run that trained and saved.
+TRAIN_CASES = [
+    ("positions-x3", "--positions x3", "train", "error: --positions 'x3': pyreft reads it as no position"),
+    ("positions-f0+l0", "--positions f0+l0", "train", "error: --positions 'f0+l0': pyreft reads it as no position"),
+    ("positions-f1l1", "--positions f1l1", "train", "error: expected first n and/or last n prompt positions as fN"),
+    ("rank-0", "--rank 0", "train", "error: --rank 0: an intervention of rank 0 has nothing to train"),
+    ("layers-0,,1", "--layers 0,,1", "train", "error: --layers '0,,1': expected 'all' or layer numbers separated"),
+    ("data-empty", "", "empty", "error: holds no examples; expected a JSON list"),
+    ("output-null", "", "null-output", "error: example 1's 'output' is null, expected a string"),
+    ("data-not-objects", "", "not-objects", "error: example 0 has the str 'red cat runs', expected 'instruction'"),
+    ("every-answer-cut", "", "all-long", "error: every example's answer is cut off: examples are cut to "
+                                         "--model_max_length 128 tokens"),
+    ("one-answer-cut", "", "one-long", "warning: 1 of 2 examples have no answer token left after cutting to "
+                                       "--model_max_length 128 (examples 0)"),
+    ("positions-l200", "--positions l200", "train", "error: --positions l200: pyreft takes at most half of a prompt's "
+                                                     "tokens"),
+    ("positions-l2-one-short", "--positions l2", "short-and-long-prompts",
+     "warning: 1 of 2 prompts are too short for it (examples 0)"),
+    ("output-dir-unwritable", "--output_dir UNWRITABLE/out", "train", "error: --output_dir UNWRITABLE/out cannot be "
+                                                                     "written"),
+]
+#: (id, serve_reft.py's flags besides --prompt, "error: ..." or the start of the answer)
+SERVE_CASES = [
+    ("no-config", "--interventions EMPTY", "error: --interventions EMPTY has no config.json; expected the folder "
+                                           "ReftModel.save wrote"),
+    ("no-folder", "--interventions EMPTY/gone", "error: --interventions EMPTY/gone is not a folder"),
+    ("model-moved", "--interventions MOVED", "error: MOVED/train_settings.json names the base model "
+                                             "MODEL-GONE, which is not there"),
+    ("other-hidden-size", "--interventions SAVED --model WIDE", "error: the interventions in SAVED were trained on a "
+                                                                "model of another size than WIDE (hidden_size 64)"),
+    # float32 interventions on a float16 base: each computes in its own dtype (it failed: mat1 and mat2 must have
+    # the same dtype)
+    ("float16-base", "--interventions SAVED --dtype float16", " red cat runs"),
+    ("bin-empty", "--interventions EMPTYBIN", "error: cannot be read: it is empty (EOFError)"),
+    ("bin-corrupt", "--interventions CORRUPT", "error: cannot be read: it is not a state dict torch.save wrote"),
+    ("positions-x3", "--interventions SAVED --positions x3", "error: --positions 'x3': pyreft reads it as no position"),
+    ("answers", "--interventions SAVED", " red cat runs"),
+]
+
+#: Runs each case of argv[1] in this one process; prints, per case, what it ended with: ("error", message),
+#: ("ok", the warnings' text, the answer or the saved weights' names).
+RUNNER = """
+import contextlib, io, json, logging, sys, warnings
+sys.path.insert(0, "docs/examples")
+import serve_reft, train_reft
+found = []
+for script, argv, out in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if script == "train":
+                train_reft.main(argv)
+            else:
+                serve_reft.main(argv + ["--out", out])
+        if script == "train":
+            import os
+            result = sorted(os.listdir(os.path.join(argv[argv.index("--output_dir") + 1], "reft")))
+        else:
+            import torch
+            result = torch.load(out)["text"]
+        found.append(["ok", " | ".join(str(w.message) for w in caught), result])
+    except SystemExit as error:
+        found.append(["error", f"{error.code}\\n{stderr.getvalue()}", None])
+    except Exception as error:
+        found.append(["error", f"{type(error).__name__}: {error}", None])
+print("FOUND " + json.dumps(found))
+"""
+
+
+def run_cases(cases: list) -> list:
+    result = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FOUND ")]
+    assert result.returncode == 0 and lines, f"the runner failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return json.loads(lines[0][len("FOUND "):])
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in: a read-only one, or, for root (whom modes do not stop),
+    one of sysfs's."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o500)
+        return folder
+    if os.path.isdir("/sys/kernel") and not os.access("/sys/kernel", os.W_OK | os.X_OK) or \
+            _cannot_write("/sys/kernel"):
+        return Path("/sys/kernel")
+    pytest.skip("running as root with no folder root cannot write to")
+
+
+def _cannot_write(folder: str) -> bool:
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder):
+            return False
+    except OSError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    from pyvene_dist.testing.models import instruction_examples, save_checkpoint
+
+    folder = save_checkpoint(tmp_path_factory.mktemp("model"))
+    for name, examples in DATA.items():
+        (folder / f"{name}.json").write_text(json.dumps(instruction_examples(4) if examples is None else examples))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def script_results(model_folder, tmp_path_factory) -> dict:
+    """Every train and serve case, in one subprocess. The serve cases read interventions saved here with pyreft's
+    ``ReftModel.save`` and train_reft.py's settings beside them (as saved, or copied and broken)."""
+    import transformers
+
+    from pyvene_dist.testing import models
+
+    work = tmp_path_factory.mktemp("runs")
+    saved = work / "trained" / "reft"
+    models.reft_model(transformers.AutoModelForCausalLM.from_pretrained(model_folder), layers=(0, 1)).save(
+        str(saved), save_to_hf_hub=False)
+    (saved / "train_settings.json").write_text(json.dumps({"model": str(model_folder), "positions": "l1",
+                                                           "share_weights": False, "dtype": "float32"}))
+    places = {"UNWRITABLE": str(unwritable_folder(work)), "EMPTY": str(work / "empty"), "SAVED": str(saved),
+              "MOVED": str(work / "moved"), "EMPTYBIN": str(work / "empty-bin"), "CORRUPT": str(work / "corrupt"),
+              "WIDE": str(_wider_model(model_folder, work / "wide")), "MODEL-GONE": str(work / "model-gone")}
+    (work / "empty").mkdir()
+    for name, corrupt in (("MOVED", None), ("EMPTYBIN", b""), ("CORRUPT", b"not a torch file at all")):
+        shutil.copytree(saved, places[name])
+        if corrupt is not None:
+            next(Path(places[name]).glob("intkey_*.bin")).write_bytes(corrupt)
+    settings_file = Path(places["MOVED"]) / "train_settings.json"
+    settings_file.write_text(json.dumps({**json.loads(settings_file.read_text()), "model": places["MODEL-GONE"]}))
+    # the flag given last wins in HF's parser: an --output_dir in the case replaces the default one
+    trains = [["train", ["--model", str(model_folder), "--data", str(model_folder / f"{data}.json"), *TRAIN_FLAGS,
+                         "--output_dir", str(work / f"train-{number}"), *_fill(flags, places).split()], None]
+              for number, (_, flags, data, _) in enumerate(TRAIN_CASES)]
+    serves = [["serve", ["--prompt", "red cat runs", "--max_new_tokens", "3", *_fill(flags, places).split()],
+               str(work / f"answer-{number}.pt")] for number, (_, flags, _) in enumerate(SERVE_CASES)]
+    results = run_cases(trains + serves)
+    return {"train": dict(zip([case[0] for case in TRAIN_CASES], results[:len(trains)])),
+            "serve": dict(zip([case[0] for case in SERVE_CASES], results[len(trains):])), "places": places}
+
+
+def _wider_model(model_folder: Path, folder: Path) -> Path:
+    """The model of ``model_folder`` with twice its hidden size, and the same tokenizer."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_folder)
+    config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(model_folder).save_pretrained(folder)
+    return folder
+
+
+def _fill(text: str, places: dict) -> str:
+    """``text`` with each placeholder (``SAVED``, ``EMPTYBIN``, ...) replaced by its path, the longest first."""
+    for name, path in sorted(places.items(), key=lambda item: -len(item[0])):
+        text = text.replace(name, path)
+    return text
+
+
+def _expect(found, expected: str, places: dict) -> None:
+    expected = _fill(expected, places)
+    kind, text, result = found
+    print(f"{kind}: {text.strip()[:600]}")
+    if expected.startswith("error: "):
+        assert kind == "error", f"expected an error, the run ended with {found}"
+        assert expected[len("error: "):] in text, text
+        assert "weights_only=False" not in text  # never the unsafe advice
+    elif expected.startswith("warning: "):
+        assert kind == "ok", text
+        assert expected[len("warning: "):] in text, text
+        assert any(name.startswith("intkey_") for name in result), result  # it trained and saved
+    else:
+        assert kind == "ok", text
+        assert str(result).startswith(expected), result
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=[case[0] for case in TRAIN_CASES])
+def test_train_reft_refuses_what_would_train_nothing_or_warns(script_results, case):
+    _expect(script_results["train"][case[0]], case[3], script_results["places"])
+
+
+@pytest.mark.parametrize("case", SERVE_CASES, ids=[case[0] for case in SERVE_CASES])
+def test_serve_reft_names_what_does_not_fit(script_results, case):
+    _expect(script_results["serve"][case[0]], case[2], script_results["places"])
+
+
+# --- pyvene-dist tiny-model ------------------------------------------------------------------------------------
+
+#: (id, what is at the target before, exit code, words on stderr)
+TINY_MODEL_CASES = [
+    ("non-empty-folder", "folder:config.json", 2, "the folder holds 1 entry (config.json); give a new or empty folder"),
+    ("a-file", "file", 2, "a file is there; give a new or empty folder"),
+    ("empty-folder", "folder:", 0, ""),
+]
+
+
+@pytest.mark.parametrize("case", TINY_MODEL_CASES, ids=[case[0] for case in TINY_MODEL_CASES])
+def test_tiny_model_saves_into_a_new_or_empty_folder_only(tmp_path, capsys, monkeypatch, case):
+    """What it saves is test_cli's: here the save is a stand-in that writes config.json, and must not be reached
+    where the target is refused."""
+    from pyvene_dist.__main__ import main
+    from pyvene_dist.testing import models
+
+    monkeypatch.setattr(models, "save_checkpoint", lambda folder: (Path(folder) / "config.json").write_text("tiny"))
+
+    _, before, code, words = case
+    target = tmp_path / "target"
+    if before == "file":
+        target.write_text("mine")
+    else:
+        target.mkdir()
+        for name in filter(None, before.split(":")[1:]):
+            (target / name).write_text("{}")
+    held = {path.name: path.read_text() for path in target.iterdir()} if target.is_dir() else target.read_text()
+    assert main(["tiny-model", str(target)]) == code
+    assert words in capsys.readouterr().err
+    if code:  # left exactly as it was
+        assert held == ({path.name: path.read_text() for path in target.iterdir()} if target.is_dir()
+                        else target.read_text())
+    else:
+        assert (target / "config.json").read_text() == "tiny"
+
+
+# --- unit_locations and interventions -------------------------------------------------------------------------
+
+BATCH, LENGTH = 2, 8
+#: (id, unit_locations for a 2-intervention model and a batch of 2, words of the error)
+LOCATIONS = [
+    ("float-position", {"sources->base": (None, [[[7.5]] * BATCH, [[3]] * BATCH])},
+     "unit_locations['sources->base'][1][0][0] holds position 7.5; positions are integers (pyvene would take 7)"),
+    ("flat-list", {"sources->base": (None, [7, 7])},
+     "unit_locations['sources->base'][1][0] is 7, expected rows of positions: one list per example"),
+    ("row-an-int", {"sources->base": (None, [[7, 7], [[3]] * BATCH])},
+     "unit_locations['sources->base'][1][0][0] is 7, expected a list of positions such as [7]"),
+    ("float-tensor", {"sources->base": (None, torch.full((2, BATCH, 1), 7.0))},
+     "unit_locations['sources->base'][1][0] is a tensor of torch.float32; positions are integers"),
+]
+
+
+@pytest.mark.parametrize("case", LOCATIONS, ids=[case[0] for case in LOCATIONS])
+def test_unit_locations_of_another_form_are_refused(patched, case):
+    from pyvene_dist.fixes.locations import LocationError
+    from pyvene_dist.testing import models
+
+    _, locations, words = case
+    model = models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2)
+    ids = torch.randint(models.VOCAB_SIZE, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(LocationError) as error:
+        model({"input_ids": ids}, unit_locations=locations)
+    assert words in str(error.value), str(error.value)
+
+
+def test_pyrefts_default_bfloat16_loreft_on_a_float32_model_is_named(patched):
+    """pyreft's ``LoreftIntervention`` defaults to bfloat16: on a float32 model its first matmul failed with
+    ``mat1 and mat2 must have the same dtype``; under autocast it runs."""
+    import pyreft
+
+    from pyvene_dist.testing import models
+
+    base = models.tiny_llama()
+    intervention = pyreft.LoreftIntervention(embed_dim=base.config.hidden_size, low_rank_dimension=2)
+    model = pyreft.get_reft_model(base, pyreft.ReftConfig(representations=[
+        {"layer": 0, "component": "block_output", "low_rank_dimension": 2, "intervention": intervention}]))
+    ids = torch.randint(models.VOCAB_SIZE, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"the intervention layer_0_comp_block_output_unit_pos_nunit_1#0 "
+                                         r"\(LoreftIntervention\) holds its learned_source in torch.bfloat16 but the "
+                                         r"model computes in torch.float32.*build them with dtype=torch.float32"):
+        model({"input_ids": ids}, unit_locations={"base": 3})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model({"input_ids": ids}, unit_locations={"base": 3})
+
+
+# --- ranks: started without RANK/LOCAL_RANK, given other data, stopped ------------------------------------------
+
+def _tiny_trainer(folder, output_dir, examples: int, **overrides):
+    """pyreft's README flow on the checkpoint ``folder``: one LoReFT at the last prompt position, trained with
+    ``ReftTrainerForCausalLM`` on ``examples`` examples, one per rank and step."""
+    import pyreft
+    import transformers
+
+    from pyvene_dist.testing import models
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model = models.reft_model(base, layers=(0,), rank=2)
+    data = models.instruction_examples(examples)
+    module = pyreft.make_last_position_supervised_data_module(
+        tokenizer, base, [row["instruction"] for row in data], [row["output"] for row in data])
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=1, max_steps=2, learning_rate=1e-2,
+                    report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False, save_strategy="no",
+                    logging_steps=1)
+    arguments = transformers.TrainingArguments(**{**settings, **overrides})
+    return pyreft.ReftTrainerForCausalLM(model=model, processing_class=tokenizer, args=arguments, **module), model
+
+
+@pytest.mark.world_size(2)
+def test_ranks_started_without_rank_variables_take_them_from_the_process_group(model_folder, tmp_path):
+    """An early version of pyreft's examples/alpaca/train_multigpu.py starts its ranks with ``mp.spawn`` and joins
+    the group with ``init_process_group(rank=..., world_size=...)``: no RANK, LOCAL_RANK, WORLD_SIZE. HF's
+    arguments then made every rank process 0 of 1, each saving every checkpoint into the same folder."""
+    import torch.distributed as dist
+
+    helpers.patch()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    output_dir = tmp_path / "out"  # the ranks' tmp_path is one folder: they share it, as the example's ranks do
+    trainer, _ = _tiny_trainer(model_folder, output_dir, 4, save_strategy="steps", save_steps=1, max_steps=1)
+    assert (trainer.args.process_index, trainer.args.world_size) == (dist.get_rank(), 2)
+    assert trainer.is_world_process_zero() == (dist.get_rank() == 0)
+    trainer.train()
+    assert [path.name for path in output_dir.glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+@pytest.mark.world_size(2)
+def test_ranks_given_different_data_are_refused_naming_each_rank(model_folder, tmp_path):
+    import torch.distributed as dist
+
+    helpers.patch()
+    trainer, _ = _tiny_trainer(model_folder, tmp_path / f"rank{dist.get_rank()}", 4 + 2 * dist.get_rank())
+    with pytest.raises(ValueError, match=r"the ranks' training data differ: len\(train_dataset\) is 4 on rank 0, 6 on "
+                                         r"rank 1"):
+        trainer.train()
+
+
+#: One rank of a 2-rank CPU run (the environment torchrun gives it); rank 1 stops itself (SIGSTOP) after its
+#: first step, rank 0 waits for it in the next step's gradient all-reduce.
+STOPPED_RANK = """
+import os, signal, sys
+sys.path.insert(0, "tests")
+import pyvene_dist
+pyvene_dist.patch()
+import transformers
+from test_inputs import _tiny_trainer
+
+class StopRankOne(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.process_index == 1 and state.global_step == 1:
+            print("rank 1 stops", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+trainer, _ = _tiny_trainer(sys.argv[1], sys.argv[2], 8, max_steps=4, ddp_timeout=int(sys.argv[3]))
+trainer.add_callback(StopRankOne())
+trainer.train()
+"""
+
+
+@pytest.mark.slow  # two rank processes started as a launcher starts them
+def test_ddp_timeout_reaches_the_cpu_process_group(model_folder, tmp_path):
+    """``--ddp_timeout`` with ``use_cpu``: HF left it out of the gloo group, and rank 0 waited gloo's default 30
+    minutes for a stopped rank. Each rank's output is reported if it does not end so."""
+    from pyvene_dist.testing.launch import free_port
+
+    timeout = 5
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-c", STOPPED_RANK, str(model_folder), str(tmp_path / "out"),
+                               str(timeout)], cwd=ROOT,
+                              env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        output, _ = ranks[0].communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        output = None
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    outputs = [output if output is not None else ranks[0].communicate()[0], ranks[1].communicate()[0]]
+    report = "\n".join(f"--- rank {rank} ---\n{text[-3000:]}" for rank, text in enumerate(outputs))
+    assert output is not None, f"rank 0 still waited after 240 s for the stopped rank 1:\n{report}"
+    assert "rank 1 stops" in outputs[1], report
+    assert ranks[0].returncode != 0 and "Timed out" in outputs[0], report
