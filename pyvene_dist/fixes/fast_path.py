@@ -21,9 +21,10 @@ A hook does what pyvene's does for ``unit="pos"``, on the same operands in the s
 ``torch.gather`` of the positions (from a copy of the output where autograd records, as pyvene
 copies: gather saves its input for backward), the intervention, and the index write of
 ``scatter_neurons``; so outputs are bit-identical to stock pyvene's and gradients equal to rounding
-(``fixes.parametrizations`` says why). Every-token generation keeps pyvene's counters: the prompt's
+(``fixes.parametrizations`` says why). Every-token generation does what pyvene's counters do: the prompt's
 forward is left alone and position 0 of each later one is intervened on (with ``intervene_on_prompt``
-the reverse). Where pyvene's in-place write would change a tensor autograd saved (``fixes.hooks``),
+the reverse). Where transformers compiles the decoding step (the static cache), the ReFT generates in a
+compiled step of its own (``compiled_decoding``). Where pyvene's in-place write would change a tensor autograd saved (``fixes.hooks``),
 the hook writes into a copy; whether it must is asked once per hooked module and shape of the output.
 
 Anything else takes pyvene's (patched) general path: the call or the model names why in
