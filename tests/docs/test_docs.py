@@ -130,6 +130,12 @@ RUN_BY: dict[str, RunBy] = {
               ('"--model", str(config_folder)', '"--gpus"', '"--batch"', '"--seq-len"')),
     "pyvene-dist plan --model llama-1b --gpus 2 --batch 8 --seq-len 512 --layers 2,8":
         RunBy("tests/docs/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
+    "pyvene-dist plan --model path/to/Llama-2-70b-hf --gpus 2 --quantize 4bit --gpu-memory 24 --batch 1 --seq-len 512":
+        RunBy("tests/docs/test_plan_quantized.py::test_a_4bit_70b_fits_two_24_gb_gpus_with_fsdp2_and_offload",
+              ('"--model", str(config)', '"--quantize", "4bit"', '"--gpu-memory", "24"', '"--seq-len", "512"')),
+    "pyvene-dist check --quantize 4bit":
+        RunBy("tests/strategies/test_quantized.py::test_check_quantize_4bit_agrees_here", ('"--quantize", "4bit"',),
+              note="with --strategies fsdp2 --steps 2 (CI's time); docs/quantized.md shows a whole run"),
     "pyvene-dist check --model path/to/model --strategies ddp":
         RunBy("tests/docs/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
               ('"--model", str(tmp_path)', '"--strategies"')),

@@ -168,3 +168,18 @@ def test_a_4bit_base_saved_with_its_reft_reloads_with_the_same_tokens(patched, m
             torch.testing.assert_close(loaded.interventions[key].state_dict()[name].float(), value.float())
     _, after = loaded.generate(dict(prompt), **settings)
     assert torch.equal(before, after), (tokenizer.batch_decode(before), tokenizer.batch_decode(after))
+
+
+def test_check_quantize_4bit_agrees_here(capsys):
+    """``pyvene-dist check --quantize 4bit`` (docs/quantized.md): the reference and FSDP2 over the same 4-bit base,
+    on this machine's CPU ranks; a strategy that cannot take the base is a usage error naming it."""
+    import json
+
+    from pyvene_dist.__main__ import main
+
+    assert main(["check", "--quantize", "4bit", "--strategies", "fsdp2", "--steps", "2", "--json"]) == 0
+    rows = {row["strategy"]: row["verdict"] for row in json.loads(capsys.readouterr().out)}
+    assert rows == {"single": "reference", "fsdp2": "agrees"}
+    assert main(["check", "--quantize", "8bit", "--strategies", "fsdp2"]) == 2
+    assert "--strategies fsdp2 with --quantize 8bit: check runs a 8bit base under ddp, accelerate, zero3" in \
+        capsys.readouterr().err
