@@ -376,12 +376,12 @@ def _calls(refts: dict, names: Sequence[str | None], lengths, offsets, on_prompt
 
 def _register(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
     """One hook on ``module`` applying every entry's intervention to its rows: on the first call only
-    (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do. In
-    every-token mode the LoReFTs of several ReFTs are applied together (``_StackedLoreft``)."""
+    (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do. The
+    LoReFTs of several ReFTs are applied together where they can be (``_StackedLoreft``)."""
     from pyvene.models.modeling_utils import do_intervention
 
     calls = [0]
-    one_by_one, stacked = (entries, None) if on_prompt else _stackable(entries)
+    one_by_one, stacked = _stackable(entries)
 
     def apply(hidden: torch.Tensor) -> None:
         for item, rows, positions in one_by_one:
@@ -411,7 +411,8 @@ def _register(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
 def _stackable(entries: list) -> tuple[list, _StackedLoreft | None]:
     """The entries to apply one by one, and the LoReFTs to apply together: those of the ReFTs whose every
     intervention on this module is pyreft's LoReFT with the identity activation (its default), a bias, and one
-    dtype; only where two ReFTs or more are such (one ReFT keeps pyreft's own forward)."""
+    dtype; only where two ReFTs or more are such (one ReFT keeps pyreft's own forward), and each stage's
+    interventions act at as many positions per row (in the prompt, ``f1+l1`` and ``l1`` do; ``l2`` does not)."""
     import pyreft
     from transformers.activations import LinearActivation
 
@@ -427,14 +428,16 @@ def _stackable(entries: list) -> tuple[list, _StackedLoreft | None]:
     if len(chosen) < 2:
         return entries, None
     stacked_ids = {id(group[0][1]) for group in chosen}
-    stages = [[(group[stage][0].intervention, group[stage][1]) for group in chosen if stage < len(group)]
-              for stage in range(max(len(group) for group in chosen))]
+    stages = [[(group[stage][0].intervention, group[stage][1], group[stage][2]) for group in chosen
+               if stage < len(group)] for stage in range(max(len(group) for group in chosen))]
+    if any(len({positions.shape[1] for _, _, positions in stage}) > 1 for stage in stages):
+        return entries, None
     return [entry for entry in entries if id(entry[1]) not in stacked_ids], _StackedLoreft(stages)
 
 
 class _StackedLoreft:
-    """Every-token LoReFT of several ReFTs at one module in one set of batched matmuls: stage ``j`` applies the
-    ``j``-th LoReFT of each ReFT here to that ReFT's rows at position 0, ``h + (W h + b - R^T h) R^T`` with each
+    """The LoReFTs of several ReFTs at one module in one set of batched matmuls: stage ``j`` applies the ``j``-th
+    LoReFT of each ReFT here to that ReFT's rows at their positions, ``h + (W h + b - R^T h) R^T`` with each
     row's own ``R``, ``W`` and ``b`` (in the order of pyreft's forward: ``h R``, ``W h + b``, their difference
     times ``R^T``). The per-row weights are gathered once per ``generate``, at the first call (the rotations are
     cached for the ``generate`` then), so a step costs the same few kernels whatever the number of ReFTs."""
@@ -444,19 +447,20 @@ class _StackedLoreft:
         self.weights: list | None = None
 
     def _stack(self, stage: list) -> tuple:
-        rows = torch.cat([rows for _, rows in stage])
+        rows = torch.cat([rows for _, rows, _ in stage])
+        positions = torch.cat([positions for _, _, positions in stage])
         parts = [(intervention.rotate_layer.weight, intervention.learned_source.weight.T,
-                  intervention.learned_source.bias, len(rows)) for intervention, rows in stage]
+                  intervention.learned_source.bias, len(rows)) for intervention, rows, _ in stage]
         rotation = torch.cat([r.expand(n, *r.shape) for r, _, _, n in parts])
         source = torch.cat([w.expand(n, *w.shape) for _, w, _, n in parts])
         bias = torch.cat([b.expand(n, 1, *b.shape) for _, _, b, n in parts])
-        return rows, torch.zeros_like(rows), rotation, source, bias
+        return rows, positions, rotation, source, bias
 
     def apply(self, hidden: torch.Tensor) -> None:
         if self.weights is None:
             self.weights = [self._stack(stage) for stage in self.stages]
-        for rows, position, rotation, source, bias in self.weights:
-            base = hidden[rows, position]
+        for rows, positions, rotation, source, bias in self.weights:
+            base = hidden[rows, positions]
             rotated = torch.bmm(base.to(rotation.dtype), rotation)
             learned = torch.baddbmm(bias, base, source)
-            hidden[rows, position] = (base + torch.bmm(learned - rotated, rotation.transpose(1, 2))).to(hidden.dtype)
+            hidden[rows, positions] = (base + torch.bmm(learned - rotated, rotation.transpose(1, 2))).to(hidden.dtype)

@@ -41,7 +41,7 @@ REFTS = {
     "lo": ("LoreftIntervention", (0, 1), "f1+l1", False, "block_output"),
     "no": ("NoreftIntervention", (1,), "l1", False, "block_output"),
     "di": ("DireftIntervention", (0,), "f2+l2", True, "mlp_output"),
-    "lo2": ("LoreftIntervention", (0,), "l2", False, "block_output"),  # with "lo" on layer 0: stacked, every token
+    "lo2": ("LoreftIntervention", (0,), "l1", False, "block_output"),  # with "lo" on layer 0: stacked
 }
 #: Prompts of 2 to 11 tokens (the byte-level BPE splits words outside WORDS), padded on the left in a batch;
 #: DiReFT's f2+l2 needs 4.
@@ -165,11 +165,11 @@ def alone(saved, tokenizer):
 def test_each_row_equals_its_reft_alone(many, tokenizer, alone, on_prompt, monkeypatch):
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     assert len(set(inputs["attention_mask"].sum(1).tolist())) > 2, "the prompts must pad to different lengths"
-    stacked = []  # every token, "lo" and "lo2" on layer 0 go through the stacked LoReFT
+    stacked = []  # "lo" and "lo2" on layer 0 go through the stacked LoReFT
     monkeypatch.setattr(serving._StackedLoreft, "apply", lambda self, hidden, apply=serving._StackedLoreft.apply:
                         stacked.append(len(self.stages)) or apply(self, hidden))
     ids = many.generate(inputs, refts=ROWS, intervene_on_prompt=on_prompt, **settings(tokenizer, on_prompt))
-    assert stacked == ([] if on_prompt else [2] * (NEW_TOKENS - 1)), stacked
+    assert stacked == ([2] if on_prompt else [2] * (NEW_TOKENS - 1)), stacked
     width = inputs["input_ids"].shape[1]
     for row, (name, prompt) in enumerate(zip(ROWS, PROMPTS)):
         assert generated(ids[row], width, tokenizer.eos_token_id) == alone(name, prompt, on_prompt), \
