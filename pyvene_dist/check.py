@@ -62,9 +62,8 @@ CHECKED = (
     "device_map",
 )
 REFERENCE = "single"
-#: What ``check --quantize`` runs by default, and all it takes: the strategies that train LoReFT over that
-#: bitsandbytes base with one process's results (``pyvene_dist.quantized.SHARDS``, with accelerate's DDP and
-#: checkpointing), on the CPU too.
+#: What ``check --quantize`` runs by default, and all it takes: the strategies that trained LoReFT over that
+#: bitsandbytes base with one process's results on the CPU (tests/strategies/test_quantized.py; FSDP refuses 8-bit).
 QUANTIZED_CHECKED = {
     "4bit": ("ddp", "fsdp2", "fsdp2+checkpointing", "accelerate", "zero3", "zero3+checkpointing"),
     "8bit": ("ddp", "accelerate", "zero3"),

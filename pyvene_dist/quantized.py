@@ -19,22 +19,10 @@ from torch import nn
 
 #: bitsandbytes' layers that FSDP cannot shard, by class name (bitsandbytes is not imported to find them).
 UNSHARDABLE_BY_FSDP = ("Linear8bitLt",)
-#: The strategies that train each quantization with the results of one process (measured on CPU, see above).
-SHARDS = {"4bit": ("ddp", "fsdp2", "zero3"), "8bit": ("ddp", "zero3")}
 
 
 class UnshardableQuantization(ValueError):
     """A strategy was asked to shard a quantized layer it cannot."""
-
-
-def quantization(model: nn.Module) -> str | None:
-    """"4bit" or "8bit" for a model holding bitsandbytes' 4-bit or 8-bit linear layers, else None."""
-    names = {type(module).__name__ for module in model.modules()}
-    if "Linear4bit" in names:
-        return "4bit"
-    if "Linear8bitLt" in names:
-        return "8bit"
-    return None
 
 
 def refuse_unshardable(modules, strategy: str) -> None:
