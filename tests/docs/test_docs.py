@@ -192,7 +192,7 @@ RUN_BY: dict[str, RunBy] = {
         RunBy("tests/test_serving.py::test_server_answers_each_model_as_alone", ('"--reft"', '"--port", "0"'),
               note="started on a free port of the loopback with the test's three ReFT folders"),
     "python benchmarks/mixed_refts.py --smoke": RunBy(MIXED_REFTS, ('"--smoke"',)),
-    **{f"OMP_NUM_THREADS=1 python benchmarks/mixed_refts.py --model tiny --prompt-len 16 --new-tokens 16 --rounds 7"
+    **{f"OMP_NUM_THREADS=1 python benchmarks/mixed_refts.py --model tiny --prompt-len 16 --new-tokens 16 --rounds 15"
        f"{mode} --out benchmarks/results/mixed-refts-cpu.jsonl": RunBy(MIXED_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE)
        for mode in ("", " --every-token")},
     **{f"python benchmarks/mixed_refts.py{mode} --out benchmarks/results/mixed-refts-1xH200.jsonl":
