@@ -8,7 +8,7 @@ pyreft's interventions call their layers on the hidden states as given, so a flo
 
 ``compute_in_own_dtype(model, hidden_dtype)``: each intervention of ``model`` whose floating-point
 parameters hold one dtype other than ``hidden_dtype`` gets two forward hooks: its floating-point inputs are cast to
-its dtype, its output back to ``hidden_dtype``. Its parameters, and so its gradients and optimizer state, are
+its dtype (the one its weights hold at each call), its output back to ``hidden_dtype``. Its parameters, and so its gradients and optimizer state, are
 untouched. An intervention whose parameters mix dtypes (pyreft's LoReFT built with ``dtype=torch.bfloat16`` keeps
 its rotation in float32 and casts for itself) is left alone. The hooks' handles are the intervention's own runtime
 state (``CastState``, kept by the registry for the intervention, not for a model: ``ReftModel.load`` hands its
@@ -43,22 +43,27 @@ def compute_in_own_dtype(model: nn.Module, hidden_dtype: torch.dtype) -> list[nn
     hooked = []
     for intervention in {id(m): m for m in model.interventions.values()}.values():
         dtypes = {p.dtype for p in intervention.parameters() if p.is_floating_point()}
-        state = REGISTRY.models.of(intervention, CastState)
-        if len(dtypes) != 1 or hidden_dtype in dtypes or state.handles:
+        if len(dtypes) != 1 or hidden_dtype in dtypes:
             continue
-        (own,) = dtypes
-        state.handles = (intervention.register_forward_pre_hook(_InputCast(own), with_kwargs=True),
+        state = REGISTRY.models.of(intervention, CastState)
+        if state.handles:  # hooked already (by the other fix, or an earlier call)
+            continue
+        state.handles = (intervention.register_forward_pre_hook(_InputCast(), with_kwargs=True),
                          intervention.register_forward_hook(_OutputCast(hidden_dtype)))
         hooked.append(intervention)
     return hooked
 
 
 class _InputCast:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    """To the one dtype the intervention's weights hold at the call (read then: DeepSpeed, say, may cast them
+    later to the hidden states' dtype, and then nothing is cast)."""
 
     def __call__(self, module, args, kwargs):
-        return cast(args, self.dtype), cast(kwargs, self.dtype)
+        dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+        if len(dtypes) != 1:
+            return None
+        (dtype,) = dtypes
+        return cast(args, dtype), cast(kwargs, dtype)
 
 
 class _OutputCast:

@@ -137,3 +137,21 @@ def test_saved_tensors_are_cpu_tensors(patched, tmp_path, save):
     assert {file for file, _, _ in found} >= {"intkey_layer_0_comp_block_output_unit_pos_nunit_1#0.bin"}
     for file, name, value in found:
         assert type(value) is torch.Tensor and value.device == torch.device("cpu"), (file, name, type(value))
+
+
+def test_float32_interventions_serve_on_a_bf16_base(patched, tmp_path):
+    """A folder of float32 interventions (what FSDP2 under accelerate's ``--bf16`` saves: its master weights) loaded
+    onto a bf16 base answers: each intervention computes in float32, the hidden states cast to it and back (pyreft's
+    LoReFT met them as given: ``mat1 and mat2 must have the same dtype, but got BFloat16 and Float``). Its answer is
+    the float32 model's to bf16's rounding; the weights stay float32."""
+    import pyreft
+
+    trained = as_deepspeed_bf16_leaves_it(models.reft_model(models.tiny_llama(), rank=2))
+    for parameter in trained.interventions.parameters():
+        parameter.data = parameter.data.float()
+    trained.save(str(tmp_path))
+    loaded = pyreft.ReftModel.load(str(tmp_path), models.tiny_llama(dtype=torch.bfloat16))
+    assert {p.dtype for p in loaded.interventions.parameters()} == {torch.float32}
+    found, expected = answer(loaded), answer(trained)
+    assert found.dtype == torch.bfloat16
+    torch.testing.assert_close(found.float(), expected, rtol=2 ** -6, atol=2 ** -6 * expected.abs().max().item())
