@@ -15,7 +15,7 @@ from pyvene_dist.fixes.fast_path import CompiledGenerationError
 from pyvene_dist.testing import models
 
 NEW = 5
-LAYERS = (0, 1)
+LAYERS = (0,)  # one layer, one intervention: each compile traces as little as it can
 graphs = []  # one entry per graph dynamo hands to the backend
 
 
@@ -45,7 +45,7 @@ def _where(mode: str, prompt: dict) -> dict:
     if mode == "every token":
         return {"unit_locations": None, "intervene_on_prompt": False}
     locations = pyvene_dist.positions_from_attention_mask(prompt["attention_mask"], "f1+l1",
-                                                          num_interventions=len(LAYERS))
+                                                          num_interventions=len(LAYERS), share_weights=True)
     return {"unit_locations": {"sources->base": (None, locations)}, "intervene_on_prompt": True}
 
 
@@ -75,7 +75,7 @@ def test_bare_model_compiled_first_then_the_reft_in_both_modes(patched):
     """A server that answered the bare model first: its compiled step has no hooks (they come at the ReFT's
     first call). The ReFT's steps are their own, one graph per mode, and the bare model's stays clean. The
     batch is left-padded (prompts of 3, 7 and 5 tokens), each row intervened at its own first and last."""
-    base = models.tiny_llama(seed=0)
+    base = models.tiny_llama(seed=0, layers=1)
     reft = models.reft_model(base, layers=LAYERS, seed=1)
     reft.eval()
     prompt = _prompt((3, 7, 5), seed=2)
@@ -95,7 +95,7 @@ def test_bare_model_compiled_first_then_the_reft_in_both_modes(patched):
 def test_reft_compiled_first_then_the_bare_model(patched):
     """The order that recompiled at every token (and crashed under CUDA graphs on the GPU); then again after
     ``unpatch()`` and ``patch()``, whose new plan compiles its own step (the old one traced the old hooks)."""
-    base = models.tiny_llama(seed=0)
+    base = models.tiny_llama(seed=0, layers=1)
     reft = models.reft_model(base, layers=LAYERS, seed=1)
     reft.eval()
     prompt = _prompt()
@@ -120,7 +120,7 @@ def test_the_general_path_refuses_a_compiled_decoding_step():
     for the bare model's later calls. Refused by name, not compiled."""
     pyvene_dist.patch(fast_path=False)
     try:
-        reft = models.reft_model(models.tiny_llama(seed=0), layers=LAYERS, seed=1)
+        reft = models.reft_model(models.tiny_llama(seed=0, layers=1), layers=LAYERS, seed=1)
         prompt = _prompt()
         with pytest.raises(CompiledGenerationError, match="general path.*fast_path is off.*disable_compile=True"):
             reft.generate(prompt, unit_locations=None, intervene_on_prompt=False, **SETTINGS, **compiled())
@@ -137,7 +137,7 @@ def test_left_padded_rows_generate_as_each_prompt_alone(patched, cache, mode):
     """Prompts of 3, 7 and 5 tokens in one left-padded batch: each row's new tokens are those of its prompt
     generated alone (eager, dynamic cache), in prompt mode with each row's own first and last positions. (The
     compiled step gives the batch's eager tokens: test_bare_model_compiled_first_then_the_reft_in_both_modes.)"""
-    reft = models.reft_model(models.tiny_llama(seed=0), layers=LAYERS, seed=1)
+    reft = models.reft_model(models.tiny_llama(seed=0, layers=1), layers=LAYERS, seed=1)
     reft.eval()
     lengths = (3, 7, 5)
     batch = _prompt(lengths, seed=2)
@@ -151,7 +151,7 @@ def test_left_padded_rows_generate_as_each_prompt_alone(patched, cache, mode):
 
 def test_a_base_model_compiled_before_the_refts_first_call_is_warned_of(patched):
     """Its compiled code, where it ran before, has no hooks to run (the interventions dropped): said, not silent."""
-    base = models.tiny_llama(seed=0)
+    base = models.tiny_llama(seed=0, layers=1)
     reft = models.reft_model(base, layers=LAYERS, seed=1)
     base.compile(backend=counting_backend)
     prompt = _prompt()
