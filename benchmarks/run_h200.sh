@@ -10,6 +10,7 @@
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-both compiled sharded-9 overhead
 # Issue 37's generation figures and check (one H200, each under 10 minutes):
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-check
+#   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-check-stock
 #   PYVENE_DIST_COMMIT=<sha> bash benchmarks/run_h200.sh generation-static
 # Rows carry PYVENE_DIST_COMMIT: the device's copy of the tree has no .git.
 set -uo pipefail
@@ -66,8 +67,13 @@ for part in "$@"; do
       # step after its patch() (untimed)
       python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 256 --rounds 7 \
         --out "$OUT/generation.jsonl" ;;
-    generation-check)  # issue 37: both orders with the static cache and transformers' default compile, fresh processes
-      python3 benchmarks/gpu_generation_check.py --out "$OUT/generation-check.json" ;;
+    generation-check)  # issue 37: both orders with the static cache and transformers' default compile, fresh
+      # processes, patched (each case compiles twice: a few minutes for the four)
+      python3 benchmarks/gpu_generation_check.py --out "$OUT/generation-check.json" --cases \
+        bare-first,patched,every bare-first,patched,prompt reft-first,patched,every reft-first,patched,prompt ;;
+    generation-check-stock)  # the same with stock pyvene (unpatched), what the patched cases were compared with
+      python3 benchmarks/gpu_generation_check.py --out "$OUT/generation-check-stock.json" --cases \
+        bare-first,stock,every bare-first,stock,prompt reft-first,stock,every reft-first,stock,prompt ;;
     sharded-9)  # issue 28's setting: FSDP2 and ZeRO-3 at world 1, the median of 9 rounds of 5 steps each
       python3 benchmarks/sharded.py --steps 45 --rounds 9 --warmup 3 --out "$OUT/sharded.jsonl" \
         --profile "$OUT/sharded-profile.txt" ;;
