@@ -282,7 +282,7 @@ def test_server_refuses(server, body, status, param):
 def test_unknown_name_and_row_count(many, tokenizer):
     inputs = tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with pytest.raises(KeyError, match=r"refts\[1\]: expected a loaded ReFT or None, found 'poet'; "
-                                       r"loaded: \['di', 'lo', 'no'\]"):
+                                       r"loaded: \['di', 'lo', 'lo2', 'no'\]"):
         many.generate(inputs, refts=["lo", "poet"], max_new_tokens=2)
     with pytest.raises(ValueError, match="refts: expected one name .* 2 in all, found 3 names"):
         many.generate(inputs, refts=["lo", None, "no"], max_new_tokens=2)
