@@ -4,10 +4,10 @@
     from pyvene_dist.serving import MultiReftModel
 
     base = transformers.AutoModelForCausalLM.from_pretrained("path/to/model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained("path/to/model", padding_side="left")
     many = MultiReftModel(base)
     many.load("poet", "out/poet/reft")                    # positions from its train_settings.json
     many.load("coder", "out/coder/reft", positions="f1+l1")
-    tokenizer.padding_side = "left"
     inputs = tokenizer(["a poem", "2 + 2", "hello"], return_tensors="pt", padding=True)
     ids = many.generate(inputs, refts=["poet", "coder", None], max_new_tokens=32, do_sample=False)
 
@@ -17,13 +17,15 @@ named ``None``; the test (tests/test_serving.py) checks it for LoReFT, NoReFT an
 the CPU, in pyreft's prompt mode and in pyvene's every-token mode.
 
 How: the base model is held once; each ReFT adds only its interventions (``ReftModel.load`` reads the
-folder, onto this base, and the interventions are kept). A ``generate`` registers one hook per hooked
+folder, onto this base, and the interventions are kept; ``_load`` says what NoReFT needs besides). A ``generate`` registers one hook per hooked
 module (a forward hook for an output component, a pre-hook for an input one) for the ReFTs its rows
 name, runs the base model's ``generate`` once for the whole batch, and removes the hooks. Each hook
 applies, in pyvene's order, every intervention of every ReFT that acts on that module to the rows
 naming that ReFT, at their positions: the representations are gathered by row and position
 (advanced indexing), intervened on with pyvene's ``do_intervention`` and written back in place, as
-pyvene's ``unit="pos"`` hooks do. Rows of other ReFTs and bare rows are not touched.
+pyvene's ``unit="pos"`` hooks do. Rows of other ReFTs and bare rows are not touched. The LoReFTs of
+two ReFTs or more at one module go together through batched matmuls (``_StackedLoreft``): a step then
+costs the same few kernels whatever the number of ReFTs.
 
 Modes, as pyvene's ``generate`` has them:
 
@@ -37,8 +39,9 @@ Modes, as pyvene's ``generate`` has them:
 The rotations of LoReFT and DiReFT are built once per ``generate`` (``parametrize.cached()``).
 
 What it refuses, with the argument named: an unknown ReFT name in ``refts``, a folder whose interventions
-are of another width (another base, another hidden size), a layer the base lacks, weights saved in another dtype than the base model's, units other than ``"pos"`` and head-level
-components, interventions that need a source, prompts padded on the right, a prompt too short for its
+are of another width (another base, another hidden size), a layer the base lacks, weights saved in
+another dtype than the base model's, units other than ``"pos"`` and head-level components, interventions
+that need a source, prompts padded on the right, a prompt too short for its
 ReFT's positions, and a cache that ``generate`` would compile (``cache_implementation="static"`` without
 ``disable_compile=True``): the hooks run eagerly.
 """
