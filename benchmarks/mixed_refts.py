@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -171,7 +170,8 @@ def main(argv=None) -> int:
     meta = common.metadata(device, dtype)
     rows = [{"provider": name, "measure": measure, "strategy": "single", "world_size": 1, "model": options.model,
              "batch": options.batch, "seq_len": options.prompt_len, "new_tokens": options.new_tokens,
-             "refts": options.refts, "reft_layers": layers, "torch_threads": torch.get_num_threads(), "positions": POSITIONS,
+             "refts": options.refts, "reft_layers": layers, "torch_threads": torch.get_num_threads(),
+             "positions": POSITIONS,
              "groups": len(groups) if name in ("mixed-refts", "each-group-alone") else 1, "rounds": options.rounds,
              **common.summary(times[name], host[name], cpu[name]), "peak_memory_gib": peaks[name],
              "base_bytes": memory["base_bytes"], "reft_bytes": reft_bytes,

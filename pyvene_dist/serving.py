@@ -17,9 +17,10 @@ named ``None``; the test (tests/test_serving.py) checks it for LoReFT, NoReFT an
 the CPU, in pyreft's prompt mode and in pyvene's every-token mode.
 
 How: the base model is held once; each ReFT adds only its interventions (``ReftModel.load`` reads the
-folder, onto this base, and the interventions are kept; ``_load`` says what NoReFT needs besides). A ``generate`` registers one hook per hooked
-module (a forward hook for an output component, a pre-hook for an input one) for the ReFTs its rows
-name, runs the base model's ``generate`` once for the whole batch, and removes the hooks. Each hook
+folder, onto this base, and the interventions are kept; ``_load`` says what NoReFT needs besides). A
+``generate`` registers one hook per hooked module (a forward hook for an output component, a pre-hook for
+an input one) for the ReFTs its rows name, runs the base model's ``generate`` once for the whole batch,
+and removes the hooks. Each hook
 applies, in pyvene's order, every intervention of every ReFT that acts on that module to the rows
 naming that ReFT, at their positions: the representations are gathered by row and position
 (advanced indexing), intervened on with pyvene's ``do_intervention`` and written back in place, as
@@ -288,8 +289,8 @@ def _load(folder: str, model: nn.Module, config: dict):
         built = {**fields, "embed_dim": width * int(fields["max_number_of_units"]), "use_fast": False,
                  "add_bias": any(name.endswith("proj_layer.bias") for name in state),
                  **({"dtype": dtypes[0]} if dtypes else {})}
-        representations.append({name: fields[name] for name in (
-            "layer", "component", "unit", "max_number_of_units", "low_rank_dimension")} | {"intervention": kind(**built)})
+        kept = ("layer", "component", "unit", "max_number_of_units", "low_rank_dimension")
+        representations.append({name: fields[name] for name in kept} | {"intervention": kind(**built)})
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations), set_device=False)
     if list(reft_model.interventions) != list(config["sorted_keys"]):
         raise ValueError(f"folder {folder}: its interventions {config['sorted_keys']} were rebuilt as "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -176,7 +175,8 @@ def test_each_row_equals_its_reft_alone(many, tokenizer, alone, on_prompt, monke
             f"row {row} ({name}, {prompt!r})"
     for name in REFTS:  # not vacuous: every ReFT changes the tokens of the prompts it serves
         for prompt in [p for p, chosen in zip(PROMPTS, ROWS) if chosen == name]:
-            assert alone(name, prompt, on_prompt) != alone(None, prompt, on_prompt), f"{name} leaves {prompt!r} unchanged"
+            assert alone(name, prompt, on_prompt) != alone(None, prompt, on_prompt), \
+                f"{name} leaves {prompt!r} unchanged"
 
 
 def test_one_reft_batch_and_bare_batch(many, tokenizer, alone):
@@ -217,12 +217,8 @@ def server(saved, tmp_path_factory):
         assert found, f"serve_many.py printed {printed}; stderr: {Path(errors.name).read_text()}"
         yield found.group(1), process.stdout
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
+        process.terminate()
+        process.communicate(timeout=60)
         errors.close()
 
 
@@ -305,14 +301,17 @@ def test_compiled_cache_refused(many, tokenizer):
 
 
 @pytest.mark.parametrize("other, message", [
-    (dict(hidden=64, heads=4, kv_heads=2), r"intervention 0 \(layer_0_comp_block_output_unit_pos_nunit_1#0\) is 64 wide; the base model's block_output is 32 wide"),
+    (dict(hidden=64, heads=4, kv_heads=2),
+     r"intervention 0 \(layer_0_comp_block_output_unit_pos_nunit_1#0\) is 64 wide; the base model's block_output is "
+     r"32 wide"),
     (dict(layers=4), r"representation 1 is at layer 3; the base model has layers 0 to 1"),
     (dict(dtype=torch.bfloat16), r"was saved in bfloat16, the base model is float32"),
 ], ids=["hidden-size", "layer", "dtype"])
 def test_folder_of_another_base(saved, many, tmp_path, other, message):
     """A ReFT trained on a base of another width, depth or dtype is refused at load, naming what differs."""
     save_checkpoint(tmp_path / "other", **other)
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "other", dtype=other.get("dtype", torch.float32))
+    dtype = other.get("dtype", torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "other", dtype=dtype)
     layers = (0, base.config.num_hidden_layers - 1)
     with pyvene_dist.patched(), torch.random.fork_rng(devices=[]):
         representations = [{"layer": layer, "component": "block_output", "low_rank_dimension": 4,

@@ -212,7 +212,8 @@ def handler(batcher: Batcher, base_name: str):
                 except json.JSONDecodeError as error:
                     raise RequestError(400, f"the body is not JSON: {error}", None, "invalid_json") from None
                 if not isinstance(request, dict):
-                    raise RequestError(400, f"the body: expected a JSON object, found {request!r}", None, "invalid_json")
+                    raise RequestError(400, f"the body: expected a JSON object, found {request!r}", None,
+                                       "invalid_json")
                 self._reply(200, completion(batcher, request, base_name))
             except RequestError as error:
                 self._reply(error.status, error.body())
