@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .requirements import Requirement, any_machine, gpu_per_rank, installed, two_dimensional, two_gpus
+from .requirements import (Requirement, any_machine, gpu_per_rank, installed, tp_plan_splits_the_vocabulary,
+                           two_dimensional, two_gpus)
 from .runners import DDP, FSDP1, FSDP2, Accelerate, DataParallel, DeepSpeed, DeviceMap, Strategy
 from .tensor_parallel import HSDP, TensorParallel, TensorParallelFSDP2
 
@@ -66,7 +67,8 @@ STRATEGIES: dict[str, Registered] = {
     "accelerate": Registered(Accelerate, installed("accelerate")),
     "dataparallel": Registered(DataParallel, two_gpus, one_process=True),
     "device_map": Registered(DeviceMap, installed("accelerate", two_gpus), one_process=True),
-    "tp": Registered(TensorParallel),  # over every rank; the world size must divide the key/value heads
+    # over every rank; the world size must divide the key/value heads (and, before transformers 5.21, the vocabulary)
+    "tp": Registered(TensorParallel, tp_plan_splits_the_vocabulary),
     "tp-by-hand": Registered(lambda device=None: TensorParallel(device, by_hand=True)),
     "tp-fsdp2": Registered(TensorParallelFSDP2, two_dimensional),
     "hsdp": Registered(HSDP, two_dimensional),

@@ -34,3 +34,25 @@ def installed(package: str, then: Requirement = any_machine) -> Requirement:
         return f"{package} not installed" if importlib.util.find_spec(package) is None else then(world_size, gpus)
 
     return needs
+
+
+#: The first transformers whose ``from_pretrained(tp_plan=...)`` shards a layer whose gathered output the world
+#: size does not divide (5.17-5.20 raised "The output size of `lm_head` (97) must be divisible by the tensor
+#: parallel size (2) when gathering a colwise output").
+UNEVEN_TP_PLAN = "5.21"
+
+
+def tp_plan_splits_the_vocabulary(world_size: int, gpus: int) -> str | None:
+    """``tp``'s model (``from_pretrained(tp_plan="auto")`` of the tiny model, ``models.VOCAB_SIZE`` tokens) on a
+    transformers older than ``UNEVEN_TP_PLAN``: its ``lm_head`` must split evenly over the ranks."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from .models import VOCAB_SIZE
+
+    found = version("transformers")
+    if VOCAB_SIZE % world_size == 0 or Version(found) >= Version(UNEVEN_TP_PLAN):
+        return None
+    return (f"transformers {found}'s tp_plan needs the vocabulary ({VOCAB_SIZE}) divisible by the world size "
+            f"({world_size}); {UNEVEN_TP_PLAN} and newer shard it unevenly")
