@@ -46,12 +46,13 @@ LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, 
 
 def _load_in_this_process(folder: str, quantize: str) -> dict:
     """Load ``folder`` (plain bf16, or quantized) and report the peak resident set before and after (bytes)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from pyvene_dist.testing.quantized import bits_and_bytes_config
-
+    config = {"none": None, "8bit": BitsAndBytesConfig(load_in_8bit=True),  # as QuantizedCase configures them
+              "4bit": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                                         bnb_4bit_quant_storage=torch.bfloat16)}[quantize]
+    import bitsandbytes  # noqa: F401 -- imported before the first reading, as from_pretrained would import it
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    config = None if quantize == "none" else bits_and_bytes_config(quantize, torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -87,62 +88,75 @@ def loading(options) -> list[dict]:
 
 # --- training: ReFT against QLoRA -----------------------------------------------------------------------------
 
-def quantized_8b(layers: int | None, device) -> "torch.nn.Module":
-    """Llama-3-8B's shape with random bf16 weights made on ``device``, saved and loaded back 4-bit (nf4, bf16
-    storage), as a user's checkpoint arrives."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def save_8b(folder: str, layers: int | None, device) -> None:
+    """Llama-3-8B's shape with random bf16 weights made on ``device``, saved to ``folder`` as a checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LLAMA_3_8B, **({"num_hidden_layers": layers} if layers else {})})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+
+
+def load_4bit(folder: str, device):
+    """The saved base loaded 4-bit (nf4, bf16 storage and compute), as a user's script loads it."""
+    from transformers import AutoModelForCausalLM
 
     from pyvene_dist.testing.quantized import bits_and_bytes_config
 
-    config = LlamaConfig(**{**LLAMA_3_8B, **({"num_hidden_layers": layers} if layers else {})})
-    with tempfile.TemporaryDirectory(prefix="pyvene-dist-8b") as folder:
-        torch.manual_seed(0)
-        with torch.device(device):
-            LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-        torch.cuda.empty_cache()
-        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=bits_and_bytes_config(
-            "4bit", torch.bfloat16), dtype=torch.bfloat16, device_map={"": device}, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=bits_and_bytes_config("4bit", torch.bfloat16),
+                                                dtype=torch.bfloat16, device_map={"": device},
+                                                attn_implementation="sdpa")
 
 
 def training(options) -> list[dict]:
+    """Each provider on a fresh load of the same checkpoint, one after the other (each one's peak is its own).
+    QLoRA without ``prepare_model_for_kbit_training``, which casts the norms and embeddings to float32: both
+    train over the same bf16 and 4-bit weights."""
     import pyvene_dist
 
     device = torch.device("cuda", 0)
-    base = quantized_8b(options.layers, device)
-    layers = common.middle_layers(base, options.interventions)
-    ids = torch.randint(0, base.config.vocab_size, (options.batch, options.seq_len), device=device)
     rows = []
-    for provider in ("peft-qlora", "pyvene_dist"):  # one at a time: each one's peak is its own
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        if provider == "peft-qlora":
-            from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    with tempfile.TemporaryDirectory(prefix="pyvene-dist-8b") as folder:
+        save_8b(folder, options.layers, device)
+        for provider in ("peft-qlora", "pyvene_dist"):
+            base = load_4bit(folder, device)
+            layers = common.middle_layers(base, options.interventions)
+            ids = torch.randint(0, base.config.vocab_size, (options.batch, options.seq_len), device=device,
+                                generator=torch.Generator(device).manual_seed(0))
+            torch.cuda.reset_peak_memory_stats(device)
+            if provider == "peft-qlora":
+                from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
-                                   LoraConfig(r=8, target_modules=["q_proj", "v_proj"], layers_to_transform=layers))
-            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-            step = lambda: common.lora_step(model, ids, optimizer)  # noqa: E731
-        else:
-            pyvene_dist.patch()
-            model = common.reft_model(base, layers)
-            locations = common.edge_locations(batch=options.batch, seq_len=options.seq_len,
-                                              positions=options.positions, interventions=len(layers), device=device)
-            batch = common.reft_batch(ids, locations)
-            optimizer = torch.optim.AdamW(model.get_trainable_parameters(), lr=1e-4)
-            step = lambda: common.reft_step(model, batch, optimizer)  # noqa: E731
-        host: dict = {}
-        times = common.interleaved({provider: step}, rounds=options.rounds, steps=options.steps, device=device,
-                                   host=host, warmup=options.warmup)
-        rows.append({"measure": "training_step", "provider": provider, "model": "llama-3-8b shape, 4-bit nf4 "
-                     "(bf16 storage), random weights", "layers": options.layers or 32, "batch": options.batch,
-                     "seq_len": options.seq_len, "interventions_or_lora_layers": layers,
-                     **common.summary(times[provider], host[provider]),
-                     "peak_memory_gib": common.peak_memory_gib(device),
-                     **common.metadata(device, torch.bfloat16)})
-        if provider == "pyvene_dist":
-            pyvene_dist.unpatch()
-        elif hasattr(model, "unload"):
-            base = model.unload()  # the same base for ReFT, without the adapters
+                model = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                        layers_to_transform=layers))
+                optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+                step = lambda: common.lora_step(model, ids, optimizer)  # noqa: E731
+            else:
+                pyvene_dist.patch()
+                model = common.reft_model(base, layers)
+                locations = common.edge_locations(batch=options.batch, seq_len=options.seq_len,
+                                                  positions=options.positions, interventions=len(layers),
+                                                  device=device)
+                batch = common.reft_batch(ids, locations)
+                optimizer = torch.optim.AdamW(model.get_trainable_parameters(), lr=1e-4)
+                step = lambda: common.reft_step(model, batch, optimizer)  # noqa: E731
+            host: dict = {}
+            times = common.interleaved({provider: step}, rounds=options.rounds, steps=options.steps,
+                                       device=device, host=host, warmup=options.warmup)
+            rows.append({"measure": "training_step", "provider": provider, "model": "llama-3-8b shape, 4-bit nf4 "
+                         "(bf16 storage), random weights", "layers": options.layers or 32, "batch": options.batch,
+                         "seq_len": options.seq_len, "intervened_or_lora_layers": layers,
+                         **common.summary(times[provider], host[provider]),
+                         "peak_memory_gib": common.peak_memory_gib(device),
+                         **common.metadata(device, torch.bfloat16)})
+            if provider == "pyvene_dist":
+                pyvene_dist.unpatch()
+            del model, base, optimizer, step
+            torch.cuda.empty_cache()
     qlora, reft = rows
     reft["ratio_to_peft_qlora"] = reft["median_ms"] / qlora["median_ms"]
     reft["memory_ratio_to_peft_qlora"] = reft["peak_memory_gib"] / qlora["peak_memory_gib"]

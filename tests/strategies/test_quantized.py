@@ -64,7 +64,7 @@ def test_a_quantized_base_trains_as_in_one_process(case, strategy):
             assert candidate.parameter_bytes < 0.6 * expected.parameter_bytes
 
 
-@pytest.mark.world_size(1)
+@pytest.mark.world_size(2)  # the parity tests' world: no other to start
 def test_fsdp_refuses_an_8bit_base_before_sharding_it():
     """Unpatched, fully_shard took the 8-bit model and the first forward failed inside bitsandbytes with
     ``AttributeError: 'Parameter' object has no attribute 'CB'``."""
