@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import helpers
 
@@ -416,3 +418,72 @@ def test_ddp_timeout_reaches_the_cpu_process_group(model_folder, tmp_path):
     assert output is not None, f"rank 0 still waited after 240 s for the stopped rank 1:\n{report}"
     assert "rank 1 stops" in outputs[1], report
     assert ranks[0].returncode != 0 and "Timed out" in outputs[0], report
+
+
+# --- properties: what the examples accept means what pyreft reads -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def examples():
+    """docs/examples/train_reft.py and serve_reft.py as modules; they patch at import, undone at once (what the
+    properties read of them runs unpatched)."""
+    import pyvene_dist
+
+    sys.path.insert(0, str(ROOT / "docs" / "examples"))
+    try:
+        import serve_reft
+        import train_reft
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "examples"))
+        pyvene_dist.unpatch()
+    return train_reft, serve_reft
+
+
+POSITION_TEXT = st.one_of(st.text(alphabet="fl+x0123456789 ", max_size=8),
+                          st.from_regex(r"\A(f\d{1,2})?\+?(l\d{1,2})?\Z"))
+
+
+@given(text=POSITION_TEXT)
+def test_accepted_positions_are_what_pyreft_reads_and_not_none(examples, text):
+    """Every --positions the examples accept, pyreft's parse_positions reads as the same counts, at least one
+    position; what pyreft reads as no position (or misreads) is refused."""
+    import pyreft
+
+    _, serve_reft = examples
+    counts = serve_reft.positions_counts(text)
+    if counts is not None:
+        assert pyreft.parse_positions(text) == counts and sum(counts) >= 1, (text, counts)
+    else:
+        try:
+            read = pyreft.parse_positions(text)
+        except ValueError:
+            return
+        # pyreft reads it as no position, or as counts that are not the text's own (f1+1 read as f1+l1)
+        assert sum(read) == 0 or f"f{read[0]}+l{read[1]}" != text, (text, read)
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                         max_size=3), max_leaves=8)
+EXAMPLE = st.fixed_dictionaries({"instruction": st.text(max_size=5) | JSON_VALUES,
+                                 "output": st.text(max_size=5) | JSON_VALUES})
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data") / "train.json"
+
+
+@given(data=st.lists(EXAMPLE | JSON_VALUES, max_size=4) | JSON_VALUES)
+def test_any_data_file_is_read_or_refused_naming_data(examples, data_file, data):
+    """A --data file of any JSON: read as examples with string instructions and outputs, or refused with a
+    message that names --data (pyreft failed on them later: num_samples=0, a TypeError for null)."""
+    train_reft, _ = examples
+    path = data_file
+    path.write_text(json.dumps(data))
+    try:
+        read = train_reft.read_examples(str(path))
+    except SystemExit as error:
+        assert str(error.code).startswith(f"train_reft.py: --data {path}"), error.code
+        return
+    assert read and all(isinstance(example["instruction"], str) and isinstance(example["output"], str)
+                        for example in read)
