@@ -251,7 +251,13 @@ def _take_ranks_from_the_process_group(arguments) -> None:
     # a cached_property, found as one process: found again now, before Trainer.__init__ builds its Accelerator
     # (finding them resets accelerate's state, the Accelerator's included)
     arguments.__dict__.pop("_setup_devices", None)
-    _ = arguments._setup_devices
+    if arguments.device is not None and arguments.world_size != len(hosts):  # a release that caches it elsewhere
+        raise RuntimeError(
+            f"rank {rank}: the process group has {len(hosts)} ranks but these TrainingArguments see "
+            f"{arguments.world_size} process(es): {'/'.join(missing)} were not set when they were made (ranks "
+            "started with mp.spawn?), and every rank would act as the main process. Set RANK, LOCAL_RANK and "
+            "WORLD_SIZE in each rank's environment before making the TrainingArguments, or start the ranks with "
+            "torchrun")
     logging.getLogger("pyvene_dist").warning(
         "rank %d: the process group has %d ranks but %s %s not set (ranks started with mp.spawn?); HF Trainer read "
         "this process as the only one, so every rank saved as the main process. Set them from the group: %s",
