@@ -64,9 +64,20 @@ class QuantizedCase(CheckCase):
 
 def _save(model: nn.Module, folder: Path) -> None:
     """``model``'s config and weights as ``from_pretrained`` reads them, written by this process alone (HF's
-    ``save_pretrained`` writes on rank 0 only in a process group, and one rank may build alone: a reference)."""
+    ``save_pretrained`` writes on rank 0 only in a process group, and one rank may build alone: a reference);
+    a model that HF's ZeRO-3 config built partitioned is gathered first."""
+    import contextlib
+
     from safetensors.torch import save_file
 
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]  # built under HF's ZeRO-3 config
+    if partitioned:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(partitioned)
+    else:
+        gathered = contextlib.nullcontext()
+    with gathered:
+        state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
     model.config.to_json_file(folder / "config.json")
-    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, folder / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

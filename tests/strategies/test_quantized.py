@@ -79,14 +79,17 @@ def test_fsdp_refuses_an_8bit_base_before_sharding_it():
 
 
 @pytest.mark.world_size(2)
-def test_reft_trainer_over_a_4bit_base_matches_one_process(tmp_path):
-    """pyreft's ReftTrainer (HF Trainer's DDP, its own data sharding) over the 4-bit base."""
-    from pyvene_dist.testing.hf import train_with_trainer
+@pytest.mark.parametrize("stage", [None, "3"], ids=["ddp", "zero3"])
+def test_reft_trainer_over_a_4bit_base_matches_one_process(tmp_path, stage):
+    """pyreft's ReftTrainer over the 4-bit base: HF Trainer's DDP, and its DeepSpeed ZeRO-3 (``deepspeed=`` a
+    ZeRO-3 config, so that ``from_pretrained`` builds the quantized base partitioned, as under the launcher)."""
+    from pyvene_dist.testing.hf import deepspeed_config, train_with_trainer
 
     helpers.patch()
-    candidate = train_with_trainer(FP32_4BIT, str(tmp_path / f"rank{dist.get_rank()}"))
+    expected = reference(FP32_4BIT) if dist.get_rank() == 0 else None  # before HF's ZeRO-3 config exists
+    settings = {} if stage is None else {"deepspeed": deepspeed_config(stage)}
+    candidate = train_with_trainer(FP32_4BIT, str(tmp_path / f"rank{dist.get_rank()}"), **settings)
     if dist.get_rank() == 0:
-        expected = reference(FP32_4BIT)
         torch.testing.assert_close(torch.tensor(candidate.losses), torch.tensor(expected.losses), rtol=1e-5, atol=1e-5)
         for name, weight in expected.weights.items():
             torch.testing.assert_close(candidate.weights[name], weight, rtol=1e-5, atol=1e-5 * weight.abs().max())
