@@ -23,6 +23,7 @@ of first and last at half the prompt and repeats the first answer token's positi
 that lose their answer or have their positions capped while others do not are named in a warning.
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -67,8 +68,13 @@ class ReftArguments:
                 "the model's max_position_embeddings"})
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help``: this docstring as written, and each flag's default (HF's parser shows them)."""
+
+
 def parse_arguments(argv=None):
-    parser = transformers.HfArgumentParser((ReftArguments, transformers.TrainingArguments))
+    parser = transformers.HfArgumentParser((ReftArguments, transformers.TrainingArguments), description=__doc__,
+                                           formatter_class=HelpFormatter)
     reft_args, training_args = parser.parse_args_into_dataclasses(argv)
     if not hasattr(pyreft, reft_args.intervention):
         parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
