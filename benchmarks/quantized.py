@@ -1,7 +1,7 @@
 """Quantized bases (docs/quantized.md): three questions, one script.
 
-``--loading`` (CPU or GPU): the peak host memory of loading a saved model with ``from_pretrained``, plain and
-quantized by bitsandbytes, each load in a fresh process (``ru_maxrss`` after the imports, and after the load),
+``--loading`` (CPU or GPU; Linux): the peak host memory of loading a saved model with ``from_pretrained``, plain
+and quantized by bitsandbytes, each load in a fresh process (the peak resident set, reset just before the load),
 ``--runs`` times each. Every rank of a launcher loads this way today: nothing is received from rank 0.
 
 ``--training`` (one GPU): a Llama-3-8B-shaped base (random weights made on the GPU, saved, loaded back 4-bit nf4,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,17 +43,26 @@ LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, 
 
 # --- loading --------------------------------------------------------------------------------------------------
 
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def _load_in_this_process(folder: str, quantize: str) -> dict:
-    """Load ``folder`` (plain bf16, or quantized) and report the peak resident set before and after (bytes)."""
+    """Load ``folder`` (plain bf16, or quantized) and report the resident set before the load and its peak during
+    it (bytes): the peak is reset first, so what the imports reached does not hide the load's."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = {"none": None, "8bit": BitsAndBytesConfig(load_in_8bit=True),  # as QuantizedCase configures them
               "4bit": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                                          bnb_4bit_quant_storage=torch.bfloat16)}[quantize]
     import bitsandbytes  # noqa: F401 -- imported before the first reading, as from_pretrained would import it
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak resident set (VmHWM) starts again from here
+    before = _status_bytes("VmRSS")
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = _status_bytes("VmHWM")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"peak_rss_before_load": before, "peak_rss_after_load": after, "parameter_bytes": held}
 
@@ -80,7 +88,8 @@ def loading(options) -> list[dict]:
                 "median_peak_rss_grown_mib": statistics.median(grown) / 2**20,
                 "spread": f"{min(grown) / 2**20:.1f}-{max(grown) / 2**20:.1f} MiB over {options.runs} runs",
                 "parameter_mib": runs[0]["parameter_bytes"] / 2**20,
-                "note": "each load in a fresh process: ru_maxrss after the load less ru_maxrss after the imports",
+                "note": "each load in a fresh process, after its imports: VmHWM (peak reset through /proc/self/clear_refs "
+                        "just before the load) less VmRSS then",
                 **common.metadata(torch.device("cpu"), torch.bfloat16),
             })
     return rows
