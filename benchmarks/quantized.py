@@ -56,7 +56,8 @@ def _load_in_this_process(folder: str, quantize: str) -> dict:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = {"none": None, "8bit": BitsAndBytesConfig(load_in_8bit=True),  # as QuantizedCase configures them
-              "4bit": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+              "4bit": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                         bnb_4bit_compute_dtype=torch.bfloat16,
                                          bnb_4bit_quant_storage=torch.bfloat16)}[quantize]
     import bitsandbytes  # noqa: F401 -- imported before the first reading, as from_pretrained would import it
     Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak resident set (VmHWM) starts again from here
@@ -88,8 +89,8 @@ def loading(options) -> list[dict]:
                 "median_peak_rss_grown_mib": statistics.median(grown) / 2**20,
                 "spread": f"{min(grown) / 2**20:.1f}-{max(grown) / 2**20:.1f} MiB over {options.runs} runs",
                 "parameter_mib": runs[0]["parameter_bytes"] / 2**20,
-                "note": "each load in a fresh process, after its imports: VmHWM (peak reset through /proc/self/clear_refs "
-                        "just before the load) less VmRSS then",
+                "note": "each load in a fresh process, after its imports: VmHWM (peak reset through "
+                        "/proc/self/clear_refs just before the load) less VmRSS then",
                 **common.metadata(torch.device("cpu"), torch.bfloat16),
             })
     return rows
@@ -116,9 +117,9 @@ def load_4bit(folder: str, device):
 
     from pyvene_dist.testing.quantized import bits_and_bytes_config
 
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=bits_and_bytes_config("4bit", torch.bfloat16),
-                                                dtype=torch.bfloat16, device_map={"": device},
-                                                attn_implementation="sdpa")
+    config = bits_and_bytes_config("4bit", torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16,
+                                                device_map={"": device}, attn_implementation="sdpa")
 
 
 def training(options) -> list[dict]:

@@ -342,7 +342,7 @@ def detected_gpu_memory() -> float | None:
 
 
 def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) -> str:
-    base = f"{run.dtype}" if run.quantize is None else f"base in {run.quantize} (bitsandbytes), computing in {run.dtype}"
+    base = run.dtype if run.quantize is None else f"base in {run.quantize} (bitsandbytes), computing in {run.dtype}"
     header = (f"{shape.name}: {shape.parameters / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
               f"{shape.hidden}; {base}, batch {run.batch} x {run.seq_len} tokens per GPU, LoReFT rank "
               f"{run.rank} at layers {','.join(map(str, run.layers))}; {run.nodes} node(s) x {run.gpus} GPU(s); "
@@ -371,10 +371,10 @@ def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) 
 def _quantized_note(shape: Shape, run: Run) -> str:
     refused = QUANTIZED_REFUSED.get(run.quantize, ())
     held = f"{weight_bytes(shape, run) / run.world / GIB:.2f} GiB of host memory per process"
+    scales = ", plus a float32 scale per row" if run.quantize == "8bit" else ""
     note = (f"{run.quantize}: the decoder layers' linear weights quantized ({shape.quantizable / 1e9:.2f}B elements, "
-            f"{QUANTIZED_BYTES[run.quantize]:g} bytes each{', plus a float32 scale per row' if run.quantize == '8bit' else ''}"
-            f"), the rest in {run.dtype}; gathered includes the largest linear weight dequantized for compute. With "
-            f"offload the shards stay on the host: {held}.")
+            f"{QUANTIZED_BYTES[run.quantize]:g} bytes each{scales}), the rest in {run.dtype}; gathered includes the "
+            f"largest linear weight dequantized for compute. With offload the shards stay on the host: {held}.")
     if refused:
         note += f" Not planned: {', '.join(refused)} (FSDP cannot shard {run.quantize} bases; pyvene_dist refuses it)."
     return note
