@@ -317,6 +317,51 @@ def test_pyrefts_default_bfloat16_loreft_on_a_float32_model_is_named(patched):
         model({"input_ids": ids}, unit_locations={"base": 3})
 
 
+# --- loads of broken folders, through the patch's own load path ---------------------------------------------------
+
+#: (id, how the folder is loaded, the file broken (``*`` for the first match), its new bytes or "half" for the first
+#: half of it, the words of the error). Loaded directly, under the patch: no example script checks the files first.
+LOADS = [
+    ("load-intkey-empty", "load", "intkey_*.bin", b"", "cannot be read: it is empty (0 bytes) (EOFError)"),
+    ("load-intkey-corrupt", "load", "intkey_*.bin", b"not a torch file at all",
+     "cannot be read: its 23 bytes are not a state dict torch.save wrote (UnpicklingError)"),
+    ("load-states-half", "load", "intervention_states.pt", "half", "intervention_states.pt cannot be read"),
+    ("load-intervention-states-empty", "load_intervention", "intervention_states.bin", b"",
+     "intervention_states.bin cannot be read: it is empty (0 bytes) (EOFError)"),
+    ("load-intkey-pickle", "load", "intkey_*.bin", b"\x80\x02not pickled",
+     "cannot be read: its 13 bytes are not a state dict torch.save wrote"),
+    ("load-intkey-half", "load", "intkey_*.bin", "half", "cannot be read: its "),
+]
+
+
+@pytest.mark.parametrize("case", LOADS, ids=[case[0] for case in LOADS])
+def test_loading_a_broken_file_names_it_and_never_suggests_weights_only_false(patched, tmp_path, case):
+    """pyvene's load failed with torch's advice to retry with ``weights_only=False`` (which runs the file's code), or
+    a bare ``EOFError``."""
+    import pyreft
+
+    from pyvene_dist.fixes.checkpoints import UnreadableCheckpointError
+    from pyvene_dist.testing import models
+
+    _, how, pattern, content, words = case
+    model = models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2)
+    folder = tmp_path / "saved"
+    if how == "load":
+        model.save(str(folder), save_to_hf_hub=False)
+    else:
+        model.save_intervention(str(folder), include_model=False)
+    broken = sorted(folder.glob(pattern))[0]
+    broken.write_bytes(broken.read_bytes()[:broken.stat().st_size // 2] if content == "half" else content)
+    with pytest.raises(UnreadableCheckpointError) as error:
+        if how == "load":
+            pyreft.ReftModel.load(str(folder), models.tiny_llama())
+        else:
+            models.reft_model(models.tiny_llama(), layers=(0, 1), rank=2).load_intervention(str(folder),
+                                                                                        include_model=False)
+    message = str(error.value)
+    assert str(broken) in message and words in message and "weights_only=False" not in message, message
+
+
 # --- ranks: started without RANK/LOCAL_RANK, given other data, stopped ------------------------------------------
 
 def _tiny_trainer(folder, output_dir, examples: int, **overrides):

@@ -70,6 +70,11 @@ What fails today:
   at the first forward of a bf16 folder). ``load`` adopts them on their own. Interventions saved in one
   dtype onto a base model of another (FSDP2's float32 master weights under ``--bf16``, served in bf16)
   compute in their saved dtype (``_compute_dtype``), as they did in training (``fixes.fsdp``).
+- ``load`` and ``load_intervention`` of a folder with an empty or corrupt file (``intkey_*.bin``,
+  ``pytorch_model.bin``, the states file) failed with a bare ``EOFError``, or with torch's advice to retry
+  with ``weights_only=False``, which would run whatever code the file holds. Every file is read with
+  ``weights_only=True`` first, and one that cannot be read raises ``UnreadableCheckpointError``, naming the
+  file, what it holds and what to do.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with transformers 5.17 and 5.24.
 """
@@ -78,6 +83,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 
 import torch
 from torch import nn
@@ -115,6 +121,40 @@ SAVED_STATES_FILE = "intervention_states.pt"
 #: pyvene's file of the base model's trainable weights (``include_model``), each whole.
 MODEL_FILE = "pytorch_model.bin"
 INTERVENTIONS_DIR = "intervenable_model"
+
+
+class UnreadableCheckpointError(ValueError):
+    """A saved file that ``torch.load(..., weights_only=True)`` cannot read."""
+
+
+def read_saved(path: str, map_location="cpu") -> dict:
+    """``torch.load(path, weights_only=True)``, or an ``UnreadableCheckpointError`` naming ``path``, what it holds
+    and what to do: never torch's advice to load it with ``weights_only=False``, which runs the file's own code."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except (EOFError, RuntimeError, ValueError, OSError, pickle.UnpicklingError) as error:
+        size = os.path.getsize(path)
+        if size == 0:
+            found = "it is empty (0 bytes)"
+        elif isinstance(error, EOFError):
+            found = f"it is cut short ({size} bytes)"
+        else:
+            found = f"its {size} bytes are not a state dict torch.save wrote"
+        raise UnreadableCheckpointError(
+            f"{path} cannot be read: {found} ({type(error).__name__}); expected a state dict that ReftModel.save or "
+            "save_intervention wrote, read with weights_only=True. Save the interventions again (or copy the "
+            "folder again, if a transfer cut it short)") from None
+
+
+def _check_readable(directory: str, include_model: bool) -> None:
+    """Read every file pyvene's ``load`` reads from ``directory`` before it does: an unreadable one is named here."""
+    names = sorted(name for name in os.listdir(directory) if name.startswith("intkey_") and name.endswith(".bin"))
+    names += [name for name in (SAVED_STATES_FILE, MODEL_FILE if include_model else None)
+              if name and os.path.exists(os.path.join(directory, name))]
+    for name in names:
+        read_saved(os.path.join(directory, name))
 
 
 # -- LoReFT's state ------------------------------------------------------------------------------
@@ -224,14 +264,13 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
     base = _loaded_base_weights(instance, saved_base)
     with gathered(instance, modify=True, base=base):
         if os.path.exists(states_file):
-            state = torch.load(states_file, map_location="cpu", weights_only=True)
+            state = read_saved(states_file)
             instance.interventions.load_state_dict(state)
         else:
             for key, intervention in instance.interventions.items():
                 if isinstance(intervention, TrainableIntervention):
                     path = os.path.join(load_directory, f"intkey_{key}.bin")
-                    intervention.load_state_dict(torch.load(path, map_location=_device_of(intervention),
-                                                            weights_only=True))
+                    intervention.load_state_dict(read_saved(path, map_location=_device_of(intervention)))
         if include_model:
             _load_base_weights(instance, saved_base, base)
 
@@ -251,7 +290,7 @@ def _whole_copies(weights: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
 
 
 def _read_model_file(directory: str) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(directory, MODEL_FILE), map_location="cpu", weights_only=True)
+    return read_saved(os.path.join(directory, MODEL_FILE))
 
 
 def _loaded_base_weights(model: nn.Module, saved: dict) -> dict[str, nn.Parameter]:
@@ -317,6 +356,7 @@ def _wrap_load(wrapped, instance, args, kwargs):
         load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
     from . import orthogonal
 
+    _check_readable(load_directory, include_model)
     loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=False)
     # pyreft's ReftModel.load hands these interventions to a new ReftModel and drops this model, whose state
     # gave LoReFT's rotations fixes.orthogonal's forward: owned by themselves, they keep it (torch's own has no
@@ -354,7 +394,7 @@ def _restore_as_saved(model, directory: str) -> None:
 
     states_file = os.path.join(directory, SAVED_STATES_FILE)
     if os.path.exists(states_file):
-        state = torch.load(states_file, map_location="cpu", weights_only=True)
+        state = read_saved(states_file)
         _take_saved_dtypes(model.interventions, state)
         model.interventions.load_state_dict(state)
     else:
@@ -362,7 +402,7 @@ def _restore_as_saved(model, directory: str) -> None:
             path = os.path.join(directory, f"intkey_{key}.bin")
             if not os.path.exists(path):
                 continue
-            state = torch.load(path, map_location=_device_of(intervention), weights_only=True)
+            state = read_saved(path, map_location=_device_of(intervention))
             if _take_saved_dtypes(intervention, _module_names(state)):
                 intervention.load_state_dict(state)
     take_partitioned_dtype(model)
