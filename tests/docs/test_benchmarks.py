@@ -155,3 +155,13 @@ def test_start_up_times_spawned_and_forked_worlds(tmp_path):
     assert [(r["measure"], r["provider"]) for r in rows] == [("world_start", "spawned"), ("world_start", "forked")]
     assert all(len(r["seconds"]) == 1 and r["commit"] and r["run_id"] and r["versions"] for r in rows)
     assert "server_start_s" in rows[1] and "ratio_to_spawned" in rows[1]
+
+
+def test_patch_guard_times_the_guard_inside_patch(tmp_path):
+    """One run: the guard's time is measured inside patch()'s (the wrap of ``_versions.check`` ran, not zero)."""
+    out = tmp_path / "guard.jsonl"
+    subprocess.run([sys.executable, str(BENCHMARKS / "patch_guard.py"), "--runs", "1", "--out", str(out)],
+                   check=True, timeout=300)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["runs"] == 1 and row["commit"] and row["versions"]["pyvene"]
+    assert 0 < row["guard_ms"][0] < row["patch_ms"][0]
