@@ -321,8 +321,10 @@ def make_row(column: Column, versions: dict, measured: dict, built: dict, *, com
 
 # --- the table -------------------------------------------------------------------------------------------------
 
-TABLE_COLUMNS = ("column", "torch", "transformers", "accelerate", "deepspeed", "peft", "pyvene", "pyreft",
-                 "passed/failed/skipped", "check", "wall s")
+TABLE_COLUMNS = ("column", "date", "commit", "torch", "transformers", "accelerate", "deepspeed", "peft", "pyvene",
+                 "pyreft", "passed/failed/skipped", "check", "wall s")
+#: The columns of TABLE_COLUMNS that are releases of a package.
+_RELEASES = TABLE_COLUMNS[3:9]
 
 
 def table_cells(row: dict) -> tuple[str, ...]:
@@ -331,8 +333,8 @@ def table_cells(row: dict) -> tuple[str, ...]:
     # pytest's exit codes 2-5 (interrupted, internal error, usage error, no tests) leave no counts to show
     outcome = f"{tests['passed']}/{failed}/{tests['skipped']}" if tests["exit_code"] in (0, 1) else (
         f"pytest exit {tests['exit_code']}")
-    return (row["column"] + (" (allow-unsupported)" if row["allow_unsupported"] else ""),
-            *(str(versions.get(name) or "-") for name in TABLE_COLUMNS[1:7]), row["pyreft"],
+    return (row["column"] + (" (allow-unsupported)" if row["allow_unsupported"] else ""), row["date"], row["commit"],
+            *(str(versions.get(name) or "-") for name in _RELEASES), row["pyreft"],
             outcome, row["check"]["verdict"], f"{row['seconds']['wall']:.0f}")
 
 

@@ -60,6 +60,8 @@ UPSTREAM_SERIES = "tests/upstream/test_upstream_patches.py::test_series_applies_
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
 #: benchmarks/mixed_refts.py's smoke mode, run in process by the serving tests.
 MIXED_REFTS = "tests/test_serving.py::test_the_benchmark_smoke_writes_every_provider"
+MATRIX_NOTE = ("the version matrix, run by hand (a venv per column: minutes and GBs each); its rows are in "
+               "benchmarks/results/version-matrix.jsonl and tests/docs/test_version_matrix.py tests its parts")
 
 #: Commands this file runs, with the exit code they must give.
 RUN_HERE: dict[str, int] = {
@@ -186,6 +188,12 @@ RUN_BY: dict[str, RunBy] = {
                                            note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --smoke":
         RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
+    **{command: RunBy("scripts/version_matrix.py", evidence, note=MATRIX_NOTE) for command, evidence in (
+        (".ci/matrix", ('default="oldest,newest,pyreft-main"',)),
+        (".ci/matrix --columns newest --reuse", ('"--reuse"',)),
+        (".ci/matrix --columns pinned", ('Column("pinned"',)))},
+    ".ci/matrix --table": RunBy("tests/docs/test_version_matrix.py::test_the_testing_page_shows_what_the_table_option_"
+                                "prints", ('".ci" / "matrix"), "--table"',)),
     "python benchmarks/overhead.py --smoke":
         RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
     "python docs/examples/serve_many.py --reft poet=out/poet/reft --reft coder=out/coder/reft --port 8000":
@@ -563,9 +571,10 @@ def test_the_zero_figures_say_how_many_runs_back_them():
 
 
 def test_the_supported_versions_are_the_tested_ones():
-    """README and the version guard name the same ranges, setup.cfg their lower bounds alone (the guard refuses
-    a newer release with an error pip would not give, or lets it through when told to), and the releases the
-    results and CI ran lie inside them."""
+    """setup.cfg asks for the version guard's floors alone (the guard judges a newer release by its functions'
+    forms, not pip), the releases the results and CI ran lie above them, and the README's version line names the
+    floors as a tested pair and says that older releases are refused (test_readme.py checks each pair it names
+    against the version matrix's passing rows)."""
     from packaging.specifiers import SpecifierSet
 
     from pyvene_dist._versions import REQUIRED, installed_version
@@ -582,7 +591,15 @@ def test_the_supported_versions_are_the_tested_ones():
         for name in ("torch", "transformers"):
             release = versions[name].split("+")[0]
             assert SpecifierSet(REQUIRED[name]).contains(release), f"{name} {release} ran but is not supported"
-    assert "transformers 5.17-5.24 and torch 2.11-2.13" in (ROOT / "README.md").read_text()
+    floor = {name: next(spec.version for spec in SpecifierSet(REQUIRED[name]) if spec.operator == ">=")
+             for name in ("torch", "transformers")}
+    paragraph = passage((ROOT / "README.md").read_text(), "Supported, as tested:")
+    line = paragraph[:paragraph.index(". ")]
+    assert f"torch {floor['torch']} with transformers {floor['transformers']}" in line, (
+        f"README.md's version line does not name the floors, torch {floor['torch']} with transformers "
+        f"{floor['transformers']}, as a tested pair: {line!r}")
+    assert f"torch older than {floor['torch']} and transformers older than {floor['transformers']} are refused" \
+        in paragraph, "README.md's version paragraph does not say which releases the guard refuses"
 
 
 # --- every figure a page quotes is backed by rows in benchmarks/results ----------------------------------------

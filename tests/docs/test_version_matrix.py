@@ -4,6 +4,7 @@ No venv is built here (a column takes minutes and GBs); the matrix itself runs o
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -148,19 +149,20 @@ def test_a_row_carries_what_every_results_row_must_and_the_issue_asks():
 def test_the_table_has_a_line_per_row():
     rows = [_row(), _row(allow_unsupported=True)]
     assert matrix.table(rows).splitlines() == [
-        "| column | torch | transformers | accelerate | deepspeed | peft | pyvene | pyreft | passed/failed/skipped "
-        "| check | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        "| pyreft-main | 2.15.0 | 5.25.0 | 1.16.0 | 0.19.8 | 0.21.2 | 0.1.8 | git main dafd099 | 120/3/7 | passed | 552 |",
-        "| pyreft-main (allow-unsupported) | 2.15.0 | 5.25.0 | 1.16.0 | 0.19.8 | 0.21.2 | 0.1.8 | git main dafd099 "
+        "| column | date | commit | torch | transformers | accelerate | deepspeed | peft | pyvene | pyreft "
+        "| passed/failed/skipped | check | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pyreft-main | 2026-12-04 | abc1234 | 2.15.0 | 5.25.0 | 1.16.0 | 0.19.8 | 0.21.2 | 0.1.8 | git main dafd099 "
         "| 120/3/7 | passed | 552 |",
+        "| pyreft-main (allow-unsupported) | 2026-12-04 | abc1234 | 2.15.0 | 5.25.0 | 1.16.0 | 0.19.8 | 0.21.2 | 0.1.8 "
+        "| git main dafd099 | 120/3/7 | passed | 552 |",
     ]
 
 
 def test_a_suite_that_did_not_run_shows_pytest_s_exit_code_not_zero_counts():
     stopped = _row()
     stopped["pytest"] = {**MEASURED["pytest"], "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 4}
-    assert matrix.table_cells(stopped)[8] == "pytest exit 4"
+    assert matrix.table_cells(stopped)[10] == "pytest exit 4"
 
 
 def test_the_table_option_shows_the_last_row_of_each_column(tmp_path, capsys):
@@ -170,7 +172,7 @@ def test_the_table_option_shows_the_last_row_of_each_column(tmp_path, capsys):
     results.write_text("".join(json.dumps(row) + "\n" for row in (newest, _row(), later)))
     assert matrix.main(["--table", "--results", str(results)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| newest", "2.14.1"], ["| pyreft-main", "2.15.0"]]
+    assert [line.split(" | ")[:4:3] for line in lines[2:]] == [["| newest", "2.14.1"], ["| pyreft-main", "2.15.0"]]
 
 
 def test_an_unknown_column_is_refused_by_name(capsys):
@@ -184,3 +186,13 @@ def test_a_reused_venv_says_when_it_was_built(tmp_path):
     os.utime(tmp_path / "pyvenv.cfg", (1796400000, 1796400000))  # 2026-12-04 16:00 UTC
     assert matrix.venv_state(tmp_path, reused=True) == "reused, built 2026-12-04 16:00 UTC"
     assert matrix.venv_state(tmp_path, reused=False) == "fresh"
+
+
+def test_the_testing_page_shows_what_the_table_option_prints():
+    """docs/testing.md's table is the last row of each column in the committed results, as ``.ci/matrix --table``
+    prints it (through the .ci entry, which passes its arguments to the script)."""
+    printed = subprocess.run([str(ROOT / ".ci" / "matrix"), "--table"], capture_output=True, text=True, check=True)
+    page = (ROOT / "docs" / "testing.md").read_text()
+    assert printed.stdout.strip() in page, (
+        "docs/testing.md's version matrix table is not what `.ci/matrix --table` prints; paste it again:\n"
+        + printed.stdout)
