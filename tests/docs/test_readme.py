@@ -200,11 +200,12 @@ def _covers(written: str, version: str | None) -> bool:
 
 
 def version_claim_problems(sentence: str, rows: list[dict]) -> list[str]:
-    """What the README's version line claims beyond the matrix's passing rows (core tests and check passed): each
-    "torch X with transformers Y" must be a passing row's pair, and each range "name A-B" must end at releases
-    passing rows ran, hold every passing row's release, and come with the pairs that ran it."""
+    """What the README's version line claims beyond the matrix's passing rows (core tests and check passed, without
+    ``--allow-unsupported``: a run the guard refused backs no claim of support): each "torch X with transformers
+    Y" must be a passing row's pair, and each range "name A-B" must end at releases passing rows ran, hold every
+    passing row's release, and come with the pairs that ran it."""
     passing = [row for row in rows if row["pytest"].get("failed", 1) == row["pytest"].get("errors", 1) == 0
-               and row["check"].get("verdict") == "passed"]
+               and row["check"].get("verdict") == "passed" and not row.get("allow_unsupported")]
     problems = []
     pairs = re.findall(r"torch (\d+\.\d+(?:\.\d+)?) with transformers (\d+\.\d+(?:\.\d+)?)", sentence)
     for torch_release, transformers_release in pairs:
@@ -259,3 +260,6 @@ def test_a_version_line_claiming_untested_releases_is_refused():
     assert version_claim_problems(new, rows) == []
     assert version_claim_problems("Supported, as tested: torch 2.13-2.14", rows) == [
         "torch 2.13-2.14: a range, without the pairs that ran it ('torch X with transformers Y')"]
+    overridden = {**row("2.15.0+cu132", "5.25.0"), "allow_unsupported": True}
+    assert version_claim_problems("Supported, as tested: torch 2.15 with transformers 5.25", rows + [overridden]) == [
+        "torch 2.15 with transformers 5.25: no passing row"]
