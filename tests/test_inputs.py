@@ -8,17 +8,20 @@ it must give. docs/examples/train_reft.py and serve_reft.py run in one subproces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import helpers
@@ -57,6 +60,11 @@ TRAIN_CASES = [
                                                      "tokens"),
     ("positions-l2-one-short", "--positions l2", "short-and-long-prompts",
      "warning: 1 of 2 prompts are too short for it (examples 0)"),
+    ("positions-f1-last-layer", "--positions f1 --layers 1", "train", "error: --positions f1 on the model's last "
+                                                                      "layer (1): its output at the first prompt "
+                                                                      "positions reaches only their own predictions"),
+    ("positions-f1-all-layers", "--positions f1", "train", "warning: so its intervention for the first positions "
+                                                           "trains nothing; leave layer 1 out of --layers"),
     ("output-dir-unwritable", "--output_dir UNWRITABLE/out", "train", "error: --output_dir UNWRITABLE/out cannot be "
                                                                      "written"),
 ]
@@ -414,9 +422,9 @@ def test_ranks_given_different_data_are_refused_naming_each_rank(model_folder, t
         trainer.train()
 
 
-#: One rank of a 2-rank CPU run (the environment torchrun gives it); rank 1 stops itself (SIGSTOP) after its
-#: first step, rank 0 waits for it in the next step's gradient all-reduce.
-STOPPED_RANK = """
+#: One rank of a 2-rank CPU run (started by torchrun, or as torchrun starts it): rank 1 sends itself argv[4] (STOP or
+#: KILL) after its first step, and rank 0 waits for it in the next step's gradient all-reduce.
+FAULTY_RANK = """
 import os, signal, sys
 sys.path.insert(0, "tests")
 import pyvene_dist
@@ -424,45 +432,99 @@ pyvene_dist.patch()
 import transformers
 from test_inputs import _tiny_trainer
 
-class StopRankOne(transformers.TrainerCallback):
+class SignalRankOne(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if args.process_index == 1 and state.global_step == 1:
-            print("rank 1 stops", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"rank 1 gets SIG{sys.argv[4]}", flush=True)
+            os.kill(os.getpid(), getattr(signal, "SIG" + sys.argv[4]))
 
 trainer, _ = _tiny_trainer(sys.argv[1], sys.argv[2], 8, max_steps=4, ddp_timeout=int(sys.argv[3]))
-trainer.add_callback(StopRankOne())
+trainer.add_callback(SignalRankOne())
 trainer.train()
 """
 
 
-@pytest.mark.slow  # two rank processes started as a launcher starts them
-def test_ddp_timeout_reaches_the_cpu_process_group(model_folder, tmp_path):
-    """``--ddp_timeout`` with ``use_cpu``: HF left it out of the gloo group, and rank 0 waited gloo's default 30
-    minutes for a stopped rank. Each rank's output is reported if it does not end so."""
+def _run_ranks(commands: list[list[str]], timeout: float, environment: dict | None = None) -> tuple[list, str]:
+    """``python COMMAND`` for each rank (RANK, LOCAL_RANK and the rendezvous set as torchrun sets them, unless
+    ``environment`` is given), all at once; any still running at ``timeout`` seconds is killed with its children.
+    Returns each one's exit code (None: killed at the timeout) and a report of every one's output."""
     from pyvene_dist.testing.launch import free_port
 
-    timeout = 5
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    ranks = [subprocess.Popen([sys.executable, "-c", STOPPED_RANK, str(model_folder), str(tmp_path / "out"),
-                               str(timeout)], cwd=ROOT,
-                              env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for rank in (0, 1)]
-    try:
-        output, _ = ranks[0].communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        output = None
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    outputs = [output if output is not None else ranks[0].communicate()[0], ranks[1].communicate()[0]]
-    report = "\n".join(f"--- rank {rank} ---\n{text[-3000:]}" for rank, text in enumerate(outputs))
-    assert output is not None, f"rank 0 still waited after 240 s for the stopped rank 1:\n{report}"
-    assert "rank 1 stops" in outputs[1], report
-    assert ranks[0].returncode != 0 and "Timed out" in outputs[0], report
+    shared = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              "WORLD_SIZE": str(len(commands)), "LOCAL_WORLD_SIZE": str(len(commands))}
+    processes = [subprocess.Popen([sys.executable, *command], cwd=ROOT, text=True, start_new_session=True,
+                                  env=environment or {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for rank, command in enumerate(commands)]
+    deadline = time.monotonic() + timeout
+    codes, outputs = [], []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            codes.append(process.returncode)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            codes.append(None)
+        outputs.append(output)
+    for process in processes:  # the ranks' own children (gloo's, torchrun's workers)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return codes, "\n".join(f"--- process {number}: exit {code} ---\n{output[-4000:]}"
+                            for number, (code, output) in enumerate(zip(codes, outputs)))
+
+
+@pytest.mark.slow  # two rank processes started as a launcher starts them
+def test_a_stopped_rank_ends_the_run_within_ddp_timeout_naming_the_rank(model_folder, tmp_path):
+    """``--ddp_timeout`` with ``use_cpu``: HF left it out of the gloo group, and rank 0 waited gloo's default 30
+    minutes for a stopped rank (SIGSTOP)."""
+    arguments = ["-c", FAULTY_RANK, str(model_folder), str(tmp_path / "out"), "5", "STOP"]
+    codes, report = _run_ranks([arguments, arguments], timeout=240)
+    assert codes[0] is not None, f"rank 0 still waited after 240 s for the stopped rank 1:\n{report}"
+    assert "rank 1 gets SIGSTOP" in report and codes[0] != 0 and "Timed out" in report, report
+    # gloo's timeout names the rank that waited (torch prefixes its lines), not the one it waited for
+    assert re.search(r"\[rank0\]: RuntimeError: .*Timed out", report), f"rank 0's error names no rank:\n{report}"
+
+
+@pytest.mark.slow  # torchrun and its two ranks
+def test_a_killed_rank_ends_the_run_at_once_naming_the_rank(model_folder, tmp_path):
+    """A rank killed (SIGKILL) mid-training: torchrun stops the other and names the rank that died."""
+    from pyvene_dist.testing.launch import free_port
+
+    script = tmp_path / "faulty_rank.py"
+    script.write_text(FAULTY_RANK)
+    codes, report = _run_ranks([["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                                 "--master_port", str(free_port()), str(script), str(model_folder),
+                                 str(tmp_path / "out"), "60", "KILL"]], timeout=180,
+                               environment={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert codes[0] is not None, f"torchrun still ran 180 s after rank 1 was killed:\n{report}"
+    # torchrun's summary: the rank, its exit code and the signal
+    assert codes[0] != 0 and re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9 .*\s*.*\s*traceback\s*: "
+                                       r"Signal 9 \(SIGKILL\)", report), report
+
+
+@pytest.mark.slow  # two rank processes started as a launcher starts them
+def test_a_read_only_output_dir_on_one_rank_stops_every_rank_naming_it(model_folder, tmp_path):
+    """One rank of two whose --output_dir cannot be written (a node's read-only disk): train_reft.py stopped that
+    rank alone, and the other waited in its first collective for the ``ddp_timeout`` (30 minutes by default)."""
+    read_only = unwritable_folder(tmp_path)
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps(_four_examples()))
+
+    def arguments(output_dir):
+        return ["docs/examples/train_reft.py", "--model", str(model_folder), "--data", str(data), *TRAIN_FLAGS,
+                "--output_dir", str(output_dir)]
+
+    codes, report = _run_ranks([arguments(tmp_path / "out"), arguments(read_only / "out")], timeout=120)
+    assert None not in codes, f"a rank still ran after 120 s:\n{report}"
+    words = f"train_reft.py: rank 1: --output_dir {read_only / 'out'} cannot be written"
+    assert codes == [1, 1] and report.count(words) >= 2, f"expected every rank to stop with {words!r}:\n{report}"
+
+
+def _four_examples() -> list:
+    from pyvene_dist.testing.models import instruction_examples
+
+    return instruction_examples(4)
 
 
 # --- properties: what the examples accept means what pyreft reads -----------------------------------------------
@@ -532,3 +594,124 @@ def test_any_data_file_is_read_or_refused_naming_data(examples, data_file, data)
         return
     assert read and all(isinstance(example["instruction"], str) and isinstance(example["output"], str)
                         for example in read)
+
+
+# --- the property end to end: every draw of flags and data trains the interventions or stops naming a flag --------
+
+#: Draws of the end-to-end property: 40 in CI (a quarter train one step; ~10 s in all), more in its long mode:
+#: PYVENE_DIST_INPUT_DRAWS=500 python -m pytest -q tests/test_inputs.py -k end_to_end
+END_TO_END_DRAWS = int(os.environ.get("PYVENE_DIST_INPUT_DRAWS", 40))
+WORD = st.sampled_from(["red", "cat", "runs", "big", "dog"])
+TEXT = st.lists(WORD, max_size=5).map(" ".join)
+DRAWN_EXAMPLES = st.lists(st.fixed_dictionaries({"instruction": TEXT,
+                                                 "output": TEXT.map(lambda text: " " + text) | st.none()}),
+                          max_size=3)
+ENOUGH_EXAMPLES = st.lists(st.fixed_dictionaries({"instruction": st.lists(WORD, min_size=2, max_size=6).map(" ".join),
+                                                  "output": st.lists(WORD, min_size=1, max_size=3).map(
+                                                      lambda words: " " + " ".join(words))}), min_size=1, max_size=3)
+POSITIONS = st.sampled_from(["l1", "f1", "f1+l1", "l2", "f2+l2"]) | st.sampled_from(["l3", "x3", "f0+l0", "l0", "f1l1",
+                                                                                 "3"])
+TRAIN_FLAG_VALUES = {
+    "--positions": POSITIONS,
+    "--rank": st.integers(1, 3).map(str) | st.integers(-1, 0).map(str),
+    "--layers": st.sampled_from(["all", "0", "1", "0,1", "0;1"]) | st.sampled_from(["0,,1", "2", "-1"]),
+    "--share_weights": st.sampled_from(["true", "false"]),
+    "--intervention": st.sampled_from(["LoreftIntervention", "NoreftIntervention"]) | st.just("Nope"),
+    "--dtype": st.sampled_from(["float32", "bfloat16", "bf16", "float64"]) | st.just("nope"),
+    "--model_max_length": st.sampled_from(["4", "8", "128"]) | st.sampled_from(["1", "2"]),
+}
+LAST_LAYER = "layer_1_"  # the tiny model's, of 2
+SERVE_FLAG_VALUES = {
+    "--positions": POSITIONS,
+    "--dtype": st.sampled_from(["float32", "bfloat16", "float16", "nope"]),
+    "--share_weights": st.just(None),
+    "--max_new_tokens": st.integers(1, 3).map(str) | st.just("0"),
+}
+
+
+def _flags(values: dict) -> st.SearchStrategy:
+    return st.fixed_dictionaries({}, optional=values).map(
+        lambda chosen: [part for flag, value in chosen.items() for part in ((flag,) if value is None else
+                                                                             (flag, value))])
+
+
+def _stopped(run, argv) -> str | None:
+    """None where ``run(argv)`` returned; else the message it stopped with: a ``SystemExit``'s text (argparse's
+    ``error:`` line), or a ``ValueError``'s. Any other exception is no clear error, and fails the test."""
+    import io
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            run(argv)
+    except SystemExit as error:
+        lines = [line for line in stderr.getvalue().splitlines() if "error:" in line]
+        return str(error.code) if isinstance(error.code, str) else "\n".join(lines) or f"exit {error.code}"
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@settings(max_examples=END_TO_END_DRAWS, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # a draw trains: shrinking took minutes
+@given(train_flags=_flags(TRAIN_FLAG_VALUES), data=ENOUGH_EXAMPLES | DRAWN_EXAMPLES, serve_flags=_flags(SERVE_FLAG_VALUES))
+def test_end_to_end_every_draw_trains_every_intervention_or_stops_naming_a_flag(
+        examples, model_folder, data_file, train_flags, data, serve_flags):
+    """train_reft.py run in-process on the tiny model for one step with drawn flags and data: it stops with a message
+    that names one of the flags given (or --data), or every intervention it saved differs from how it was built.
+    serve_reft.py then answers with those interventions and drawn flags, or stops naming one."""
+    import tempfile
+    from unittest import mock
+
+    import pyreft
+
+    import pyvene_dist
+
+    import warnings
+
+    train_reft, serve_reft = examples
+    data_file.write_text(json.dumps(data))
+    built = {}
+
+    def recording(*args, **kwargs):
+        model = get_reft_model(*args, **kwargs)
+        built.update({name: tensor.detach().clone() for name, tensor in model.interventions.state_dict().items()})
+        return model
+
+    helpers.patch()
+    get_reft_model = pyreft.get_reft_model
+    try:
+        with tempfile.TemporaryDirectory() as output_dir, mock.patch.object(pyreft, "get_reft_model", recording):
+            argv = ["--model", str(model_folder), "--data", str(data_file), *TRAIN_FLAGS, "--output_dir", output_dir,
+                    *train_flags]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                stopped = _stopped(train_reft.main, argv)
+            event("train_reft.py stopped" if stopped else "train_reft.py trained")
+            if stopped is not None:
+                named = [*TRAIN_FLAG_VALUES, "--data", "--output_dir"]  # one given, or a default that does not fit
+                assert any(flag in stopped for flag in named), f"{argv}\nstopped naming none of {named}: {stopped}"
+                return
+            saved = torch.load(Path(output_dir) / "reft" / "intervention_states.pt", weights_only=True)
+            unchanged = sorted({name.split(".")[0] for name in built} -
+                               {name.split(".")[0] for name in built if not torch.equal(saved[name], built[name])})
+            # an intervention for the first positions on the last layer (#0: pyreft puts first before last) trains
+            # nothing, and train_reft.py says so
+            warned = any("trains nothing" in str(warning.message) for warning in caught)
+            unwarned = [name for name in unchanged if not (warned and name.startswith(LAST_LAYER) and
+                                                           name.endswith("#0"))]
+            assert built and not unwarned, f"{argv}: trained nothing in {unwarned}, and said nothing"
+
+            out = Path(output_dir) / "answer.pt"
+            argv = ["--interventions", str(Path(output_dir) / "reft"), "--prompt", "red cat runs", *serve_flags,
+                    "--out", str(out)]
+            stopped = _stopped(serve_reft.main, argv)
+            event("serve_reft.py stopped" if stopped else "serve_reft.py answered")
+            if stopped is not None:
+                named = [*SERVE_FLAG_VALUES, "--prompt", "--interventions"]
+                assert any(flag in stopped for flag in named), f"{argv}\nstopped naming none of {named}: {stopped}"
+                return
+            answer = torch.load(out, weights_only=True)
+            assert isinstance(answer["text"], str) and torch.isfinite(answer["logits"]).all(), argv
+    finally:
+        pyvene_dist.unpatch()

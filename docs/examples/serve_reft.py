@@ -10,7 +10,7 @@ override them (``--model`` when the model moved); for interventions saved by ano
 What does not fit stops before answering, naming the flag or file: a folder ``ReftModel.save`` did not write (no
 ``config.json``), a base model folder that is not there, a base model of another hidden size than the one the
 interventions were trained on, an empty or corrupt ``intkey_*.bin`` (read with ``weights_only=True`` only), and
-``--positions`` pyreft reads as no position. A ``--dtype`` other than the interventions' own serves: each
+``--positions`` pyreft reads as no position or that the prompt is too short for. A ``--dtype`` other than the interventions' own serves: each
 intervention computes in the dtype it was saved in (``pyvene_dist.fixes.checkpoints``).
 """
 
@@ -81,6 +81,10 @@ def load(model_path, interventions, dtype="float32"):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     try:
         reft_model = pyreft.ReftModel.load(interventions, model)  # each weight in the dtype it was saved in
+    except KeyError as error:  # pyvene rebuilds each intervention from config.json, which lacks NoReFT's add_bias
+        raise SystemExit(f"serve_reft.py: --interventions {interventions}: pyvene's load cannot rebuild its "
+                         f"interventions from config.json, which does not record {error} (NoreftIntervention's "
+                         "add_bias); build the ReftModel as in training and call load_intervention on it") from None
     except RuntimeError as error:
         if "size mismatch" not in str(error):
             raise
@@ -143,7 +147,22 @@ def parse_arguments(argv=None):
                                                    f"{SETTINGS}, else float32)")
     parser.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=16)
     parser.add_argument("--out", help="save the logits, token ids and text here (torch.save)")
-    return parser.parse_args(argv)
+    options = parser.parse_args(argv)
+    if options.max_new_tokens < 1:
+        parser.error(f"--max_new_tokens {options.max_new_tokens}: generate at least 1 token (default 16)")
+    return options
+
+
+def check_positions_fit(positions, tokenizer, prompt) -> None:
+    """Stop where ``--positions`` asks for more of the prompt than pyreft takes: at most half of its tokens for
+    each of the first and last positions (beyond that, its locations indexed past the prompt: ``RuntimeError:
+    index 3 is out of bounds for dimension 1 with size 3``)."""
+    length = len(tokenizer(prompt)["input_ids"])
+    first, last = pyreft.parse_positions(positions)
+    if max(first, last) > length // 2:
+        raise SystemExit(f"serve_reft.py: --positions {positions}: --prompt {prompt!r} has {length} tokens, and "
+                         f"pyreft takes at most half of them ({length // 2}) for each of the first and last positions; "
+                         "give a longer --prompt, or the fewer positions it fits")
 
 
 def main(argv=None):
@@ -151,6 +170,7 @@ def main(argv=None):
     found = settings(options.interventions, model=options.model, positions=options.positions,
                      share_weights=options.share_weights, dtype=options.dtype)
     tokenizer, reft_model = load(found["model"], options.interventions, found["dtype"])
+    check_positions_fit(found["positions"], tokenizer, options.prompt)
     result = answer(reft_model, tokenizer, options.prompt, found["positions"], found["share_weights"],
                     options.max_new_tokens)
     print(f"{options.prompt!r} -> {result['text']!r}")

@@ -18,9 +18,11 @@ that saved checkpoints (``--save_strategy steps --save_steps N``) where it stopp
 
 A run that would train nothing stops before the first step, naming the flag or the example: ``--positions`` that
 pyreft reads as no position (``x3``, ``f0+l0``), ``--rank 0``, no examples, an example without a string
-``output``, every answer cut off by ``--model_max_length``, or positions beyond every prompt (pyreft caps each
-of first and last at half the prompt and repeats the first answer token's position for the rest). Examples
-that lose their answer or have their positions capped while others do not are named in a warning.
+``output``, every answer cut off by ``--model_max_length``, positions beyond every prompt (pyreft caps each
+of first and last at half the prompt and repeats the first answer token's position for the rest), or first
+positions only (``fN``) on the last layer alone (its output there reaches no answer). Examples that lose their
+answer or have their positions capped while others do not are named in a warning, as is an intervention for the
+first positions on the last layer among others.
 """
 
 import argparse
@@ -162,12 +164,13 @@ def chosen_layers(reft_args, model) -> list[int]:
 
 
 def build_reft_model(reft_args, model):
+    """``add_bias``: NoReFT reads it with no default (``KeyError: 'add_bias'``); the other classes take and ignore it."""
     layers = chosen_layers(reft_args, model)
     intervention = getattr(pyreft, reft_args.intervention)
     reft_config = pyreft.ReftConfig(representations=[
         {"layer": layer, "component": reft_args.component, "low_rank_dimension": reft_args.rank,
          "intervention": intervention(embed_dim=model.config.hidden_size, low_rank_dimension=reft_args.rank,
-                                      dtype=getattr(torch, reft_args.dtype))}
+                                      dtype=getattr(torch, reft_args.dtype), add_bias=False)}
         for layer in layers * interventions_per_layer(reft_args)
     ])
     return pyreft.get_reft_model(model, reft_config)
@@ -231,6 +234,25 @@ def check_training_data(reft_args, data_module, tokenizer, model) -> None:
              f"{advice}, or leave them capped")
 
 
+def check_last_layer(reft_args, model) -> None:
+    """Stop (or warn) where the interventions on the model's last layer would train nothing: a position's output
+    there reaches only its own prediction, and every prompt position but the last predicts a prompt token, which
+    carries no loss. So an intervention there at the first positions only (``fN``, not shared with ``lN``) keeps
+    the values it was built with (grad_norm 0 for it)."""
+    first, last = positions_counts(reft_args.positions)
+    top = model.config.num_hidden_layers - 1
+    layers = chosen_layers(reft_args, model)
+    if not first or top not in layers or (last and reft_args.share_weights):
+        return
+    what = (f"--positions {reft_args.positions} on the model's last layer ({top}): its output at the first prompt "
+            "positions reaches only their own predictions, prompt tokens without a loss, so ")
+    if layers == [top] and not last:
+        raise SystemExit(f"train_reft.py: {what}nothing would train; add last positions (lN), or choose --layers "
+                         f"below {top}")
+    warn(f"{what}its intervention for the first positions trains nothing; leave layer {top} out of --layers, add "
+         "last positions (lN) with --share_weights, or leave it untrained")
+
+
 def warn(message: str) -> None:
     logger.warning(f"train_reft.py: {message}")
     warnings.warn(message, UserWarning, stacklevel=2)
@@ -240,16 +262,29 @@ def _some(numbers: list[int]) -> str:
     return ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
 
 
-def check_writable(flag: str, folder: str) -> None:
-    """Stop at once when a folder the run saves to cannot be written, rather than after training, with a bare
-    ``open file failed with strerror: Operation not permitted`` that names no file."""
+def unwritable(flag: str, folder: str) -> str | None:
+    """Why ``folder`` cannot take the run's files, naming ``flag``; None where it can. Checked at once, rather than
+    after training, with a bare ``open file failed with strerror: Operation not permitted`` that names no file."""
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder):
             pass
     except OSError as error:
-        raise SystemExit(f"train_reft.py: {flag} {folder} cannot be written ({type(error).__name__}: "
-                         f"{error.strerror or error}); choose a folder this process may create files in") from None
+        return f"{flag} {folder} cannot be written ({type(error).__name__}: {error.strerror or error})"
+    return None
+
+
+def check_writable(training_args, folders: list[tuple[str, str]]) -> None:
+    """Stop when a folder the run saves to cannot be written. Every rank checks its own (a node's disk may be
+    read-only on one node) and, in a run of several, all stop together naming each rank that cannot write: one
+    rank leaving alone left the others waiting in their first collective."""
+    problems = [problem for flag, folder in folders if (problem := unwritable(flag, folder))]
+    if training_args.world_size > 1:
+        everyone = [None] * training_args.world_size
+        torch.distributed.all_gather_object(everyone, problems)
+        problems = [f"rank {rank}: {problem}" for rank, found in enumerate(everyone) for problem in found]
+    if problems:
+        raise SystemExit(f"train_reft.py: {'; '.join(problems)}; choose a folder this process may create files in")
 
 
 def train_settings(reft_args, model) -> dict:
@@ -264,12 +299,13 @@ def main(argv=None):
     reft_args, training_args = parse_arguments(argv)
     examples = read_examples(reft_args.data)
     save_dir = reft_args.save_dir or os.path.join(training_args.output_dir, "reft")
-    check_writable("--output_dir", training_args.output_dir)
-    check_writable("--save_dir" if reft_args.save_dir else "--output_dir", save_dir)
+    check_writable(training_args, [("--output_dir", training_args.output_dir),
+                                   ("--save_dir" if reft_args.save_dir else "--output_dir", save_dir)])
     transformers.set_seed(training_args.seed)  # every process builds the same interventions
     tokenizer, model = load_model(reft_args)
     reft_model = build_reft_model(reft_args, model)
     reft_model.print_trainable_parameters()
+    check_last_layer(reft_args, model)
 
     data_module = pyreft.make_multiple_position_supervised_data_module(
         tokenizer, model, [example["instruction"] for example in examples],
