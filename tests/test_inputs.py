@@ -65,6 +65,7 @@ TRAIN_CASES = [
                                                                       "positions reaches only their own predictions"),
     ("positions-f1-all-layers", "--positions f1", "train", "warning: so its intervention for the first positions "
                                                            "trains nothing; leave layer 1 out of --layers"),
+    ("noreft", "--intervention NoreftIntervention", "train", "['config.json'"),  # was KeyError: 'add_bias'
     ("output-dir-unwritable", "--output_dir UNWRITABLE/out", "train", "error: --output_dir UNWRITABLE/out cannot be "
                                                                      "written"),
 ]
@@ -83,6 +84,9 @@ SERVE_CASES = [
     ("bin-empty", "--interventions EMPTYBIN", "error: cannot be read: it is empty (EOFError)"),
     ("bin-corrupt", "--interventions CORRUPT", "error: cannot be read: it is not a state dict torch.save wrote"),
     ("positions-x3", "--interventions SAVED --positions x3", "error: --positions 'x3': pyreft reads it as no position"),
+    ("max-new-tokens-0", "--interventions SAVED --max_new_tokens 0", "error: --max_new_tokens 0: generate at least 1"),
+    ("positions-beyond-prompt", "--interventions SAVED --positions l3", "error: --positions l3: --prompt 'red cat runs' "
+                                                                         "has "),
     ("answers", "--interventions SAVED", " red cat runs"),
 ]
 
@@ -506,7 +510,7 @@ def test_a_killed_rank_ends_the_run_at_once_naming_the_rank(model_folder, tmp_pa
 @pytest.mark.slow  # two rank processes started as a launcher starts them
 def test_a_read_only_output_dir_on_one_rank_stops_every_rank_naming_it(model_folder, tmp_path):
     """One rank of two whose --output_dir cannot be written (a node's read-only disk): train_reft.py stopped that
-    rank alone, and the other waited in its first collective for the ``ddp_timeout`` (30 minutes by default)."""
+    rank alone, and neither rank's message said which rank could not write. Every rank now stops, naming it."""
     read_only = unwritable_folder(tmp_path)
     data = tmp_path / "train.json"
     data.write_text(json.dumps(_four_examples()))
