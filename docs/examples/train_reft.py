@@ -81,8 +81,8 @@ def parse_arguments(argv=None):
     if not hasattr(pyreft, reft_args.intervention):
         parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
     reft_args.dtype = flags.dtype_name(reft_args.dtype, program="train_reft.py")  # bf16, as before, still works
-    if not isinstance(getattr(torch, reft_args.dtype, None), torch.dtype):
-        parser.error(f"--dtype {reft_args.dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+    if reft_args.dtype not in flags.DTYPES:  # float64 failed in the first step: "double != float"
+        parser.error(f"--dtype {reft_args.dtype!r}: expected one of {', '.join(flags.DTYPES)}")
     if ";" in reft_args.layers:  # the separator of pyreft's examples, and of this script before
         warnings.warn(f"--layers {reft_args.layers!r}: separate layers with commas, as "
                       f"{reft_args.layers.replace(';', ',')}; ';' will stop working", FutureWarning, stacklevel=2)
