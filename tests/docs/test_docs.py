@@ -1021,3 +1021,13 @@ def test_the_pages_say_how_ranks_start(page, opening, monkeypatch):
     assert STARTED[method] in said_here and not said, (
         f"{page}: ranks start {STARTED[method]} by default ({method}); the passage {opening!r} says "
         f"{said or 'neither'}: {said_here[:300]}")
+
+
+def test_the_quickstarts_copy_of_train_reft_is_the_script():
+    """quickstart.md shows docs/examples/train_reft.py whole, as the script users run: a change to the script (issue
+    38's refusals changed its docstring and flag checks three times in one day) must change the copy too."""
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    copy = re.search(r"```python\n# docs/examples/train_reft.py\n(.*?\n)```", page, re.S)
+    assert copy, "docs/quickstart.md no longer shows docs/examples/train_reft.py"
+    assert copy.group(1) == (ROOT / "docs" / "examples" / "train_reft.py").read_text(), (
+        "docs/quickstart.md's copy of docs/examples/train_reft.py differs from the script: copy the script into it")
