@@ -148,12 +148,11 @@ def read_saved(path: str, map_location="cpu") -> dict:
             "folder again, if a transfer cut it short)") from None
 
 
-def _check_readable(directory: str, include_model: bool) -> None:
-    """Read every file pyvene's ``load`` reads from ``directory`` before it does: an unreadable one is named here."""
-    names = sorted(name for name in os.listdir(directory) if name.startswith("intkey_") and name.endswith(".bin"))
-    names += [name for name in (SAVED_STATES_FILE, MODEL_FILE if include_model else None)
-              if name and os.path.exists(os.path.join(directory, name))]
-    for name in names:
+def _check_readable(directory: str) -> None:
+    """Read the files pyvene's ``load`` reads with a bare ``torch.load`` (the ``intkey_*.bin``) before it does: an
+    unreadable one is named here. The states file and the base model's file are read once, later, through
+    ``read_saved``, which names them the same way (and before the user's model is touched)."""
+    for name in sorted(name for name in os.listdir(directory) if name.startswith("intkey_") and name.endswith(".bin")):
         read_saved(os.path.join(directory, name))
 
 
@@ -356,7 +355,7 @@ def _wrap_load(wrapped, instance, args, kwargs):
         load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
     from . import orthogonal
 
-    _check_readable(load_directory, include_model)
+    _check_readable(load_directory)
     loaded = wrapped(load_directory, model, local_directory=local_directory, include_model=False)
     # pyreft's ReftModel.load hands these interventions to a new ReftModel and drops this model, whose state
     # gave LoReFT's rotations fixes.orthogonal's forward: owned by themselves, they keep it (torch's own has no
