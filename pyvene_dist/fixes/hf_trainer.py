@@ -51,10 +51,10 @@ def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
 
 
 def _wrap_create_accelerator(wrapped, instance, args, kwargs):
-    arguments = instance.args
-    if holds_intervenable_model(instance.model):
+    arguments, reft = instance.args, holds_intervenable_model(instance.model)
+    if reft:
         _give_the_timeout_to_a_cpu_group(arguments)
-    if arguments.ddp_find_unused_parameters is not None or not holds_intervenable_model(instance.model):
+    if arguments.ddp_find_unused_parameters is not None or not reft:
         return wrapped(*args, **kwargs)
     arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
     try:
