@@ -58,6 +58,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from .fixes.checkpoints import read_saved
+
 #: Written by docs/examples/train_reft.py beside the interventions: the positions and shared weights of training.
 SETTINGS = "train_settings.json"
 #: Caches ``generate`` builds without compiling (others are compiled on a GPU unless ``disable_compile``).
@@ -301,7 +303,7 @@ def _load(folder: str, model: nn.Module, config: dict):
 
 def _saved_state(folder: str, key: str) -> dict:
     path = os.path.join(folder, f"intkey_{key}.bin")
-    return torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
+    return read_saved(path) if os.path.isfile(path) else {}
 
 
 def _intervention(reft_model, key: str, index: int) -> Intervention:
