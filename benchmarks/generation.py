@@ -186,6 +186,7 @@ def main(argv=None) -> int:
         eager = outputs.get("pyvene_dist", outputs.get("pyvene"))
         by["pyvene_dist-static"]["same_as_eager"] = None if eager is None else \
             torch.equal(outputs["pyvene_dist-static"], eager)
+    if "bare-static" in by:  # its column runs whatever --providers says
         by["bare-static"]["same_as_eager"] = torch.equal(outputs["bare-static"], outputs["bare"])
     common.append_rows(options.out, found)
     for row in found:

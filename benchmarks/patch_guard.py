@@ -62,7 +62,7 @@ def main() -> None:
         "patch_median_ms": statistics.median(patch_ms), "guard_median_ms": statistics.median(guard_ms),
         "patch_range_ms": [min(patch_ms), max(patch_ms)], "guard_range_ms": [min(guard_ms), max(guard_ms)],
         "guard_share": statistics.median(g / p for g, p in zip(guard_ms, patch_ms)),
-        **common.metadata(common.torch.device("cpu"), "float32"), **common.host_load(),
+        **common.metadata(common.torch.device("cpu"), "float32"),
     }
     print(json.dumps({key: row[key] for key in ("patch_median_ms", "guard_median_ms", "patch_range_ms",
                                                 "guard_range_ms", "guard_share")}))
