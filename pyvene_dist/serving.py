@@ -37,7 +37,8 @@ Modes, as pyvene's ``generate`` has them:
 - ``intervene_on_prompt=False`` (every-token): the prompt's forward is left alone and position 0 of
   every later forward (with the KV cache, the token just generated) is intervened on.
 
-The rotations of LoReFT and DiReFT are built once per ``generate`` (``parametrize.cached()``).
+The rotations of LoReFT and DiReFT are built once per ``generate`` (``parametrize.cached()``, entered as
+``fixes.parametrizations.cached_parametrizations`` enters it for the fast path: under its lock).
 
 What it refuses, with the argument named: an unknown ReFT name in ``refts``, a folder whose interventions
 are of another width (another base, another hidden size), a layer the base lacks, weights saved in
@@ -59,6 +60,7 @@ import torch
 from torch import nn
 
 from .fixes.checkpoints import read_saved
+from .fixes.parametrizations import cached_parametrizations
 
 #: Written by docs/examples/train_reft.py beside the interventions: the positions and shared weights of training.
 SETTINGS = "train_settings.json"
@@ -179,7 +181,7 @@ class MultiReftModel:
         calls = _calls(self.refts, refts, lengths, offsets, intervene_on_prompt, input_ids.device)
         handles = [_register(module, pre, entries, intervene_on_prompt) for (module, pre), entries in calls.items()]
         try:
-            with torch.nn.utils.parametrize.cached():
+            with cached_parametrizations():
                 return self.model.generate(**inputs, **generate_kwargs)
         finally:
             for handle in handles:
