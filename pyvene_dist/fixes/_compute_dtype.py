@@ -42,8 +42,7 @@ def compute_in_own_dtype(model: nn.Module, hidden_dtype: torch.dtype) -> list[nn
     """Hook every intervention of ``model`` that needs it (see the module docstring); the ones hooked now."""
     hooked = []
     for intervention in {id(m): m for m in model.interventions.values()}.values():
-        dtypes = {p.dtype for p in intervention.parameters() if p.is_floating_point()}
-        if len(dtypes) != 1 or hidden_dtype in dtypes:
+        if floating_dtype(intervention) in (None, hidden_dtype):
             continue
         state = REGISTRY.models.of(intervention, CastState)
         if state.handles:  # hooked already (by the other fix, or an earlier call)
@@ -54,16 +53,19 @@ def compute_in_own_dtype(model: nn.Module, hidden_dtype: torch.dtype) -> list[nn
     return hooked
 
 
+def floating_dtype(module: nn.Module) -> torch.dtype | None:
+    """The one dtype of ``module``'s floating-point parameters; None where they mix dtypes, or there are none."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
 class _InputCast:
     """To the one dtype the intervention's weights hold at the call (read then: DeepSpeed, say, may cast them
     later to the hidden states' dtype, and then nothing is cast)."""
 
     def __call__(self, module, args, kwargs):
-        dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
-        if len(dtypes) != 1:
-            return None
-        (dtype,) = dtypes
-        return cast(args, dtype), cast(kwargs, dtype)
+        dtype = floating_dtype(module)
+        return None if dtype is None else (cast(args, dtype), cast(kwargs, dtype))
 
 
 class _OutputCast:

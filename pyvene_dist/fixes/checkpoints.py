@@ -89,7 +89,7 @@ import torch
 from torch import nn
 
 from .._records import Fix, Site
-from ._compute_dtype import compute_in_own_dtype
+from ._compute_dtype import compute_in_own_dtype, floating_dtype
 
 PYVENE = "pyvene.models.intervenable_base"
 PYREFT = "pyreft"
@@ -362,7 +362,7 @@ def _wrap_load(wrapped, instance, args, kwargs):
     # half-precision kernel on the CPU: '"orgqr_cpu" not implemented for 'BFloat16'' at the first forward).
     orthogonal.adopt(loaded.interventions)
     _restore_as_saved(loaded, load_directory)
-    hidden = _floating_dtype(loaded.model)
+    hidden = floating_dtype(loaded.model)
     if hidden is not None:  # float32 interventions (FSDP2's master weights under --bf16) onto a bf16 base
         compute_in_own_dtype(loaded, hidden)
     if include_model:  # also into a base that ZeRO-3 partitions (zero.Init) or FSDP2 shards
@@ -371,12 +371,6 @@ def _wrap_load(wrapped, instance, args, kwargs):
         with gathered(loaded, modify=True, base=base):
             _load_base_weights(loaded, saved, base)
     return loaded
-
-
-def _floating_dtype(model: nn.Module) -> torch.dtype | None:
-    """The one dtype of ``model``'s floating-point parameters; None where they mix dtypes, or there are none."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return next(iter(dtypes)) if len(dtypes) == 1 else None
 
 
 def _load_arguments(load_directory, model, local_directory=None, from_huggingface_hub=False, include_model=False):
