@@ -53,12 +53,11 @@ def _status_bytes(field: str) -> int:
 def _load_in_this_process(folder: str, quantize: str) -> dict:
     """Load ``folder`` (plain bf16, or quantized) and report the resident set before the load and its peak during
     it (bytes): the peak is reset first, so what the imports reached does not hide the load's."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
-    config = {"none": None, "8bit": BitsAndBytesConfig(load_in_8bit=True),  # as QuantizedCase configures them
-              "4bit": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                         bnb_4bit_compute_dtype=torch.bfloat16,
-                                         bnb_4bit_quant_storage=torch.bfloat16)}[quantize]
+    from pyvene_dist.testing.quantized import bits_and_bytes_config
+
+    config = None if quantize == "none" else bits_and_bytes_config(quantize, torch.bfloat16)  # as QuantizedCase
     import bitsandbytes  # noqa: F401 -- imported before the first reading, as from_pretrained would import it
     Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak resident set (VmHWM) starts again from here
     before = _status_bytes("VmRSS")
