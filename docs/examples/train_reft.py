@@ -26,6 +26,7 @@ first positions on the last layer among others.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -335,13 +336,24 @@ def main(argv=None):
             torch.save(result, os.path.join(training_args.output_dir, "answer.pt"))
             logger.warning(f"{reft_args.prompt!r} -> {result['text']!r}")
 
-    # Leave the process group HF Trainer joined before the interpreter exits: gloo's threads otherwise
-    # outlive it ("terminate called without an active exception"). The barrier first, so that no rank
-    # tears its connections down while another still uses them.
+
+@contextlib.contextmanager
+def leaving_the_process_group():
+    """Leave the process group HF Trainer joined before the interpreter exits, on every way out: gloo's threads
+    otherwise outlive it and abort the process ("terminate called without an active exception", exit -6 where a
+    refusal such as an unwritable folder meant exit 1). After a run, a barrier first, so that no rank tears its
+    connections down while another still uses them; after an error, no barrier (another rank may never come)."""
+    try:
+        yield
+    except BaseException:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with leaving_the_process_group():
+        main()
