@@ -21,20 +21,26 @@ import re
 
 import torch
 
-_FORM = re.compile(r"^(?:f(\d+)\+l(\d+)|f(\d+)|l(\d+))$")
+_FORM = re.compile(r"f(\d+)\+l(\d+)|f(\d+)|l(\d+)")
 
 
 def parse_positions(positions: str) -> tuple[int, int]:
     """pyreft's ``parse_positions``: ``"f1+l1"`` -> (1, 1), ``"f3"`` -> (3, 0), ``"l2"`` -> (0, 2); anything
-    else is refused (pyreft's reads ``"l1+f1"`` as (0, 1) and ``"x"`` as (0, 0))."""
-    found = _FORM.match(positions) if isinstance(positions, str) else None
+    else is refused (pyreft's reads ``"l1+f1"`` as (0, 1) and ``"x"`` as (0, 0)), as is a form that selects no
+    position (``"f0"``, ``"f0+l0"``: pyreft trains nothing there)."""
+    found = _FORM.fullmatch(positions) if isinstance(positions, str) else None
     if found is None:
         raise ValueError(f"positions={positions!r}: expected pyreft's form 'f<n>+l<m>', 'f<n>' or 'l<m>' "
                          "(for example 'f1+l1' or 'l1')")
     both_first, both_last, first, last = found.groups()
     if both_first is not None:
-        return int(both_first), int(both_last)
-    return (int(first), 0) if first is not None else (0, int(last))
+        counts = int(both_first), int(both_last)
+    else:
+        counts = (int(first), 0) if first is not None else (0, int(last))
+    if sum(counts) == 0:
+        raise ValueError(f"positions={positions!r} selects no position; expected at least one first or last "
+                         "position, as in 'l1' or 'f1+l1'")
+    return counts
 
 
 def positions_from_attention_mask(attention_mask: torch.Tensor, positions: str = "l1", *,
@@ -56,8 +62,6 @@ def positions_from_attention_mask(attention_mask: torch.Tensor, positions: str =
     before it writes any, so a repeated position is written twice with the same value, as if once.
     """
     first_n, last_n = parse_positions(positions)
-    if first_n + last_n == 0:
-        raise ValueError(f"positions={positions!r} selects no position")
     if isinstance(num_interventions, bool) or not isinstance(num_interventions, int) or num_interventions < 1:
         raise ValueError(f"num_interventions={num_interventions!r}: expected a positive int (the number of "
                          "interventions, len(reft_model.interventions))")

@@ -48,6 +48,9 @@ def test_each_row_gets_pyrefts_positions_for_its_prompt_alone(side, positions, i
 @pytest.mark.parametrize("arguments, message", [
     (dict(positions="l1+f1"), r"positions='l1\+f1': expected pyreft's form"),
     (dict(positions="f0"), "selects no position"),
+    (dict(positions="f0+l0"), "selects no position"),
+    (dict(positions="l1\n"), r"positions='l1\\n': expected pyreft's form"),
+    (dict(positions=" f1"), r"positions=' f1': expected pyreft's form"),
     (dict(positions="f1+l1", num_interventions=3), "num_interventions=3: .* must be even"),
     (dict(num_interventions=0), "num_interventions=0: expected a positive int"),
     (dict(attention_mask=torch.ones(4)), r"attention_mask: expected a \[batch, length\] tensor, found \(4,\)"),

@@ -19,7 +19,6 @@ import functools
 import glob
 import json
 import os
-import re
 
 import torch
 
@@ -30,6 +29,7 @@ pyvene_dist.patch()
 import pyreft  # noqa: E402
 import transformers  # noqa: E402
 from pyvene_dist import flags  # noqa: E402
+from pyvene_dist.positions import parse_positions  # noqa: E402
 
 #: Written by train_reft.py beside the interventions.
 SETTINGS = "train_settings.json"
@@ -64,13 +64,12 @@ def settings(interventions, **given):
 
 def positions_counts(positions: str) -> tuple[int, int] | None:
     """(first n, last n) for the forms pyreft's ``parse_positions`` reads as written (``fN``, ``lN``, ``fN+lN``);
-    None for the rest, which it reads as no position at all (``x3``, ``3``, ``f0+l0``) or misreads."""
-    found = re.fullmatch(r"(?:f(\d+))?(\+)?(?:l(\d+))?", positions)
-    if not found or (found[2] is not None) != (found[1] is not None and found[3] is not None):
+    None for the rest, which it reads as no position at all (``x3``, ``3``, ``f0+l0``) or misreads. The one parser
+    of the project decides (``pyvene_dist.positions.parse_positions``)."""
+    try:
+        return parse_positions(positions)
+    except ValueError:
         return None
-    first, last = int(found[1] or 0), int(found[3] or 0)
-    return (first, last) if first + last else None
-
 
 
 def load(model_path, interventions, dtype="float32"):
