@@ -15,7 +15,7 @@ Checked with torch 2.11 (nccl) and 2.13 (gloo).
 from __future__ import annotations
 
 from .._records import Fix, Site
-from ._models import intervenable_models
+from ..mechanisms.wrapped_models import intervenable_models
 
 FIX = Fix(
     __name__,

@@ -9,7 +9,7 @@ on a replica; and ``lazy wrapper should be called at most once`` from LoReFT's o
 parametrization, first called in DataParallel's threads.
 
 - ``DataParallel.scatter``: for an ``IntervenableModel``, every argument is split along its batch axis
-  into the chunks ``torch.chunk`` gives the input (``pyvene_dist.fixes._scatter``), and moved to its replica's
+  into the chunks ``torch.chunk`` gives the input (``pyvene_dist.mechanisms.batch_split``), and moved to its replica's
   device. Other models go through the original untouched.
 - ``DataParallel.replicate``: a replica is a shallow copy, sharing its original's hook dicts and
   pyvene's state (caches, counters, ``InterventionState``s) across threads. Each replica gets copies of
@@ -24,7 +24,7 @@ parametrization, first called in DataParallel's threads.
 
 What the fix knows (a replica's device, the devices it initialised, the model's ``forward`` signature and
 the names of its hooked modules, found once per model) is kept in the model's state
-(``DataParallelState``). ``_models.is_replica`` reads torch's private mark of a replica, for the
+(``DataParallelState``). ``mechanisms.wrapped_models.is_replica`` reads torch's private mark of a replica, for the
 fixes that leave replicas alone.
 
 Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
@@ -44,7 +44,7 @@ import torch
 
 from .._records import Fix, Site
 from .._registry import REGISTRY
-from ._scatter import batch_size_of, chunk_sizes, split_forward_arguments
+from ..mechanisms.batch_split import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(
     __name__,

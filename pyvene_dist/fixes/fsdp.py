@@ -22,7 +22,7 @@ reached the interventions in bf16 and met float32 weights: ``RuntimeError: mat1 
 but got BFloat16 and Float`` in the first forward on a GPU. (On the CPU accelerate trains DDP under autocast with
 the same flags: it applies FSDP in a GPU world only.) Where the policy's ``param_dtype`` differs from the one dtype
 of an intervention's floating-point parameters, the intervention now computes in its own dtype: the hidden states
-are cast to it on the way in and back to ``param_dtype`` on the way out (``_compute_dtype``: forward hooks on the
+are cast to it on the way in and back to ``param_dtype`` on the way out (``mechanisms.own_dtype``: forward hooks on the
 intervention, removed by ``unpatch()``). Its weights stay as they are (accelerate's
 float32 master weights), and so do its gradients. An intervention whose parameters mix dtypes (pyreft's LoReFT
 built with ``dtype=torch.bfloat16`` keeps its rotation in float32 and casts for itself) is left alone.
@@ -50,8 +50,8 @@ from .._records import Fix, Site
 from .._registry import REGISTRY
 from ..quantized import refuse_unshardable
 from . import consistency
-from ._compute_dtype import compute_in_own_dtype
-from ._models import intervenable_models
+from ..mechanisms.own_dtype import compute_in_own_dtype
+from ..mechanisms.wrapped_models import intervenable_models
 from .tensor_parallel import forget_dtensor_parameters
 
 FIX = Fix(

@@ -28,7 +28,7 @@ import datetime
 import logging
 
 from .._records import Fix, Site
-from ._models import holds_intervenable_model
+from ..mechanisms.wrapped_models import holds_intervenable_model
 
 TRANSFORMERS = "transformers.trainer"
 FIX = Fix(

@@ -230,7 +230,7 @@ def check_intervention_dtypes(model, base) -> None:
 
     The model's dtype is its input embeddings' (or ``inputs_embeds``'); sharded embeddings (FSDP's DTensor,
     whose compute dtype its mixed-precision policy decides) and interventions with forward pre-hooks (which may
-    cast their input, as ``fixes._compute_dtype`` does) are left alone. Checked once per model and dtype."""
+    cast their input, as ``mechanisms.own_dtype`` does) are left alone. Checked once per model and dtype."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         return
     embeds = base.get("inputs_embeds") if isinstance(base, dict) else None

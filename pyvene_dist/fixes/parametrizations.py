@@ -19,7 +19,7 @@ PyTorch keeps that cache in module globals: a counter of open contexts and one d
 *original* module the parametrization was registered on (the key is fixed in the property it injects
 into the module's class). ``nn.DataParallel`` replicas share that class, so a replica would read
 another replica's weight, on another GPU (``Expected all tensors to be on the same device``). Replicas
-(``_models.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
+(``mechanisms.wrapped_models.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
 in forward and in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
 the autograd engine's device thread), so entering and leaving the context is serialised by a lock.
 
@@ -32,7 +32,7 @@ import contextlib
 import threading
 
 from .._records import Fix, Site
-from ._models import is_replica
+from ..mechanisms.wrapped_models import is_replica
 
 FIX = Fix(
     __name__,

@@ -88,7 +88,7 @@ import os
 import torch
 
 from .._records import Fix, Site
-from ._models import holds_intervenable_model, unwrap_intervenable_model
+from ..mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
 
 PYREFT = "pyreft.reft_trainer"
 FIX = Fix(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .._records import Fix, Site
 from ..optim import parametrization_original_names
-from ._models import holds_intervenable_model
+from ..mechanisms.wrapped_models import holds_intervenable_model
 
 MODULE = "transformers.trainer"
 FIX = Fix(

@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pyvene_dist.fixes._scatter import chunk_sizes, split_forward_arguments
+from pyvene_dist.mechanisms.batch_split import chunk_sizes, split_forward_arguments
 from pyvene_dist.testing.models import reft_model, tiny_llama
 from pyvene_dist.testing.generators import BROADCAST_FORMATS, forward_call, forward_calls, world_sizes
 
