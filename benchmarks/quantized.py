@@ -55,7 +55,7 @@ def _load_in_this_process(folder: str, quantize: str) -> dict:
     it (bytes): the peak is reset first, so what the imports reached does not hide the load's."""
     from transformers import AutoModelForCausalLM
 
-    from pyvene_dist.testing.quantized import bits_and_bytes_config
+    from pyvene_dist.testing.quantized_cases import bits_and_bytes_config
 
     config = None if quantize == "none" else bits_and_bytes_config(quantize, torch.bfloat16)  # as QuantizedCase
     import bitsandbytes  # noqa: F401 -- imported before the first reading, as from_pretrained would import it
@@ -114,7 +114,7 @@ def load_4bit(folder: str, device):
     """The saved base loaded 4-bit (nf4, bf16 storage and compute), as a user's script loads it."""
     from transformers import AutoModelForCausalLM
 
-    from pyvene_dist.testing.quantized import bits_and_bytes_config
+    from pyvene_dist.testing.quantized_cases import bits_and_bytes_config
 
     config = bits_and_bytes_config("4bit", torch.bfloat16)
     return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16,
@@ -179,7 +179,7 @@ def planner(options) -> list[dict]:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from pyvene_dist import plan
+    from pyvene_dist import memory_plan
 
     device = torch.device("cuda", 0)
     config = LlamaConfig(**LLAMA_2_70B)
@@ -206,8 +206,8 @@ def planner(options) -> list[dict]:
     with torch.device("meta"):
         from transformers import LlamaForCausalLM
 
-        shape = plan.shape_of(LlamaForCausalLM(config), name="llama-2-70b")
-    planned = plan.weight_bytes(shape, plan.Run(gpus=1, quantize="4bit"))
+        shape = memory_plan.shape_of(LlamaForCausalLM(config), name="llama-2-70b")
+    planned = memory_plan.weight_bytes(shape, memory_plan.Run(gpus=1, quantize="4bit"))
     return [{"measure": "planner_weights_4bit", "model": "llama-2-70b shape", "one_layer_bytes": one_layer,
              "embedding_and_head_bytes": outer, "measured_scaled_gib": measured / 2**30,
              "planned_gib": planned / 2**30, "planned_over_measured": planned / measured,

@@ -18,9 +18,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
+import os
 import sys
 
+from . import check, fix_list, memory_plan, patch
+from .check import CHECKED, UsageError, batch_size
+from .check import DTYPES as CHECK_DTYPES
 from .flags import DTYPES, deprecated, dtype_name
+from .testing.check_runs import CheckCase, model_config, representation_layers
+from .testing.models import BASE_MODELS, VOCAB_SIZE, save_checkpoint
+from .testing.quantized_cases import QuantizedCase
 
 
 def _sizes(text: str) -> list[int]:
@@ -67,31 +75,27 @@ def _gib(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .check import CHECKED
-    from .check import DTYPES as CHECK_DTYPES
-    from .testing.models import BASE_MODELS
-
     root = argparse.ArgumentParser(prog="pyvene-dist", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = root.add_subparsers(dest="command", required=True)
-    check = commands.add_parser(
+    checking = commands.add_parser(
         "check", help="train under each strategy and compare with one device",
         description="Train ReFT on one device and under each strategy this machine can run; compare; print a "
                     "table. Exit 0 when every strategy that ran agrees, 1 when one differs or fails, 2 on a "
                     "usage mistake.")
-    check.add_argument("--model", default="llama",
+    checking.add_argument("--model", default="llama",
                        help=f"built-in: {', '.join(sorted(BASE_MODELS))} (default: llama); or a local path: a "
                             "directory with config.json (weights loaded when present, else built from the config) "
                             "or a config .json file")
-    check.add_argument("--strategies", type=lambda t: t.split(","), default=list(CHECKED),
+    checking.add_argument("--strategies", type=lambda t: t.split(","), default=list(CHECKED),
                        help=f"comma-separated, of: {', '.join(CHECKED)} (default: all)")
-    check.add_argument("--world-sizes", "--world_sizes", type=_sizes,
+    checking.add_argument("--world-sizes", "--world_sizes", type=_sizes,
                        help="comma-separated ranks per run (default: 2, or 1 on a one-GPU machine); at most one "
                             "rank per GPU, or per CPU core without GPUs")
-    check.add_argument("--dtype", type=dtype_name, choices=CHECK_DTYPES, default="float32")
-    check.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
-    check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    check.add_argument("--quantize", choices=("4bit", "8bit"),
+    checking.add_argument("--dtype", type=dtype_name, choices=CHECK_DTYPES, default="float32")
+    checking.add_argument("--steps", type=_steps, default=3, help="optimizer steps per run (default: 3)")
+    checking.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    checking.add_argument("--quantize", choices=("4bit", "8bit"),
                        help="load the base model quantized by bitsandbytes (4bit: nf4, stored in --dtype), both the "
                             "reference and every strategy; runs the strategies that take it (docs/quantized.md)")
 
@@ -144,15 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.command == "plan":
         return _plan(arguments)
     if arguments.command == "fixes":
-        from . import fix_list
-
         found = fix_list.rows()
         print(fix_list.to_json(found) if arguments.json else fix_list.table(found))
         return 0
     if arguments.command == "tiny-model":
         return _tiny_model(arguments.folder)
-    from . import check, patch
-
     progress = check.Progress(sys.stderr)
     try:
         world_sizes = arguments.world_sizes or check.default_world_sizes()
@@ -173,14 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _case(arguments, world_sizes: list[int]):
-    from .check import UsageError, batch_size
-    from .testing.check_runs import CheckCase, model_config, representation_layers
-    from .testing.models import BASE_MODELS, VOCAB_SIZE
-
     case = CheckCase(model=arguments.model, dtype=arguments.dtype, steps=arguments.steps)
     if arguments.quantize:
-        from .testing.quantized import QuantizedCase
-
         case = QuantizedCase(model=arguments.model, dtype=arguments.dtype, steps=arguments.steps,
                              quantize=arguments.quantize)
     if arguments.model not in BASE_MODELS:
@@ -200,16 +194,12 @@ def _case(arguments, world_sizes: list[int]):
 def _tiny_model(folder: str) -> int:
     """Save into a new or empty folder only: saving over another model left its other files beside the tiny one's
     config.json (a mixed folder that loads neither), and a file in the way was reported as saved."""
-    import os
-
     if os.path.exists(folder) and not os.path.isdir(folder):
         return _usage(f"tiny-model {folder}: a file is there; give a new or empty folder")
     if os.path.isdir(folder) and os.listdir(folder):
         held = sorted(os.listdir(folder))
         return _usage(f"tiny-model {folder}: the folder holds {len(held)} entr{'y' if len(held) == 1 else 'ies'} "
                       f"({', '.join(held[:3])}{', ...' * (len(held) > 3)}); give a new or empty folder")
-    from .testing.models import save_checkpoint
-
     try:
         print(save_checkpoint(folder))
     except OSError as error:
@@ -223,10 +213,6 @@ def _usage(message: str) -> int:
 
 
 def _plan(arguments) -> int:
-    import json
-
-    from . import plan
-
     try:
         zero = json.loads(arguments.zero)
     except json.JSONDecodeError as error:
@@ -236,7 +222,7 @@ def _plan(arguments) -> int:
         return _usage(f"--zero {arguments.zero!r} is not a JSON object; expected one such as "
                       '\'{"stage3_max_live_parameters": 3e7}\'')
     try:
-        shape = plan.shape_of(plan.meta_model(arguments.model), name=arguments.model)
+        shape = memory_plan.shape_of(memory_plan.meta_model(arguments.model), name=arguments.model)
     except ValueError as error:
         return _usage(f"--model {error}")
     layers = arguments.layers or ((0,) if shape.layers == 1 else (0, shape.layers - 1))
@@ -244,19 +230,19 @@ def _plan(arguments) -> int:
     if outside:
         return _usage(f"--layers {','.join(map(str, layers))}: {arguments.model} has decoder layers "
                       f"0-{shape.layers - 1}, not {','.join(map(str, outside))}")
-    run = plan.Run(gpus=arguments.gpus, nodes=arguments.nodes, batch=arguments.batch, seq_len=arguments.seq_len,
+    run = memory_plan.Run(gpus=arguments.gpus, nodes=arguments.nodes, batch=arguments.batch, seq_len=arguments.seq_len,
                    dtype=arguments.dtype, rank=arguments.rank, layers=layers, attention=arguments.attention, zero=zero,
                    quantize=arguments.quantize)
-    estimates = plan.plan(shape, run)
-    gpu_memory = arguments.gpu_memory or plan.detected_gpu_memory() or 80.0
+    estimates = memory_plan.plan(shape, run)
+    gpu_memory = arguments.gpu_memory or memory_plan.detected_gpu_memory() or 80.0
     if arguments.json:
         print(json.dumps([{**dataclasses.asdict(found), "total": found.total,
                            "total_checkpointed": found.total_checkpointed,
-                           "fits": plan.fits(found.total, gpu_memory),
-                           "fits_checkpointed": plan.fits(found.total_checkpointed, gpu_memory)}
+                           "fits": memory_plan.fits(found.total, gpu_memory),
+                           "fits_checkpointed": memory_plan.fits(found.total_checkpointed, gpu_memory)}
                           for found in estimates], indent=1))
     else:
-        print(plan.table(shape, run, estimates, gpu_memory))
+        print(memory_plan.table(shape, run, estimates, gpu_memory))
     return 0
 
 

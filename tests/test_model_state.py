@@ -145,7 +145,7 @@ def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
 def test_fsdp_averaging_goes_with_the_model():
     """The hooks fully_shard put on a model's interventions go when the model is collected, even while a
     parameter lives on (a user's reference, an optimizer's)."""
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     try:

@@ -5,14 +5,14 @@ Use them to test your own interventions::
     from pyvene_dist.testing import ParityCase, train, assert_parity
 
 The harness in parts: ``case`` (what to train, ``Record``, ``Tolerance``), ``runners`` and
-``tensor_parallel`` (the strategies), ``requirements`` (what each needs of the machine), ``registry``
+``mesh_runners`` (the strategies), ``requirements`` (what each needs of the machine), ``strategies``
 (``STRATEGIES``), ``training`` (``train``) and ``comparison`` (``assert_parity``).
 """
 
 from .case import DEEPSPEED_BF16, TOLERANCES, ParityCase, Record, Tolerance, tolerance
 from .comparison import Differences, assert_parity, differences, intervention_grads, intervention_weights
 from .launch import WorldOutcome, spawn
-from .registry import STRATEGIES
+from .strategies import STRATEGIES
 from .runners import Strategy
 from .training import train
 

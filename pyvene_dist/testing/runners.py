@@ -1,6 +1,6 @@
 """The parallel strategies as runners: how a run builds, places and wraps the model, shards each global
 micro-batch, steps backward and the optimizer, and averages the loss over ranks (``training.train`` drives
-them). Tensor parallel and the 2-D meshes are in ``tensor_parallel``; the registry of names in ``registry``."""
+them). Tensor parallel and the 2-D meshes are in ``mesh_runners``; the registry of names in ``strategies``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
+
+from ..fully_shard import fully_shard_model, layer_classes
 
 if TYPE_CHECKING:
     from .case import ParityCase
@@ -127,7 +129,7 @@ class DDP(Strategy):
 
 
 class FSDP2(DDP):
-    """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fsdp.fully_shard_model``)."""
+    """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fully_shard.fully_shard_model``)."""
 
     name = "fsdp2"
 
@@ -140,8 +142,6 @@ class FSDP2(DDP):
         return wrapped, torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)  # as train() makes it
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from ..fsdp import fully_shard_model
-
         return fully_shard_model(model)
 
 
@@ -153,8 +153,6 @@ class FSDP1(DDP):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        from ..fsdp import layer_classes
 
         names = layer_classes(model)
         classes = {type(module) for module in model.modules() if type(module).__name__ in names}
@@ -316,8 +314,6 @@ class DeviceMap(Strategy):
 def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str | int]:
     """A ``device_map`` putting the decoder layers on ``devices`` in contiguous, even groups (the first
     layers on ``devices[0]``) and every other module (embeddings, norm, head) on ``devices[0]``."""
-    from ..fsdp import layer_classes
-
     classes = layer_classes(model)
     layers = [name for name, module in model.named_modules() if type(module).__name__ in classes]
     if len(layers) < len(devices):

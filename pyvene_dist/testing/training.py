@@ -28,7 +28,7 @@ from torch import nn
 from . import models
 from .case import ParityCase, Record
 from .comparison import intervention_grads, intervention_weights
-from .registry import STRATEGIES
+from .strategies import STRATEGIES
 from .runners import Strategy
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyvene_dist import plan
+from pyvene_dist import memory_plan
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -48,10 +48,10 @@ def memory_rows():
 _shapes: dict = {}
 
 
-def shape_of_row(row) -> plan.Shape:
+def shape_of_row(row) -> memory_plan.Shape:
     key = (row["model"], row.get("hidden"), row.get("layers"))
     if key not in _shapes:
-        _shapes[key] = plan.shape_of(plan.meta_model(*key))
+        _shapes[key] = memory_plan.shape_of(memory_plan.meta_model(*key))
     return _shapes[key]
 
 
@@ -59,11 +59,11 @@ def shape_of_row(row) -> plan.Shape:
 def test_plan_is_within_15_percent_of_the_measured_peak(row):
     assert row["steps"] >= 2 and row["component"] in ("block_output", "mlp_output")
     shape = shape_of_row(row)
-    run = plan.Run(gpus=row["world_size"], batch=row["batch"], seq_len=row["seq_len"], dtype=row["dtype"],
-                   layers=BENCHMARK_LAYERS, attention=row.get("attention") or "eager",
-                   zero=json.loads(row.get("zero") or "{}"))
-    found = plan.estimate(shape, run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
-    estimated = (found.total if row["checkpointing"] == "none" else found.total_checkpointed) / plan.GIB
+    run = memory_plan.Run(gpus=row["world_size"], batch=row["batch"], seq_len=row["seq_len"], dtype=row["dtype"],
+                          layers=BENCHMARK_LAYERS, attention=row.get("attention") or "eager",
+                          zero=json.loads(row.get("zero") or "{}"))
+    found = memory_plan.estimate(shape, run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
+    estimated = (found.total if row["checkpointing"] == "none" else found.total_checkpointed) / memory_plan.GIB
     measured = row["peak_memory_gib"]
     assert abs(estimated - measured) <= TOLERANCE * measured, (
         f"plan {estimated:.2f} GiB, measured {measured:.2f} GiB ({(estimated - measured) / measured:+.1%}): {found}")
@@ -76,9 +76,9 @@ def test_the_weights_plan_counts_are_the_ones_the_benchmark_held():
             row = json.loads(line)
             if row["strategy"] in NOT_COMPARED or row["strategy"] == "zero3-offload":
                 continue  # offload's rows count the partition it keeps on the CPU
-            run = plan.Run(gpus=row["world_size"], dtype=row["dtype"], layers=BENCHMARK_LAYERS)
-            found = plan.estimate(shape_of_row(row), run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
-            assert found.parameters / plan.GIB == pytest.approx(row["parameter_gib"], rel=2e-3), row
+            run = memory_plan.Run(gpus=row["world_size"], dtype=row["dtype"], layers=BENCHMARK_LAYERS)
+            found = memory_plan.estimate(shape_of_row(row), run, STRATEGY_OF_ROW.get(row["strategy"], row["strategy"]))
+            assert found.parameters / memory_plan.GIB == pytest.approx(row["parameter_gib"], rel=2e-3), row
 
 
 # --- on this CPU: the activation terms against a measured training step -------------------------------------------
@@ -128,8 +128,8 @@ def test_activations_match_a_measured_cpu_step(dtype, attention, checkpointing):
 
         step(batches[0])  # Adam's state and the gradients' buffers exist from here on, as in a run's later steps
         measured = peak_bytes_allocated(lambda: step(batches[1]))
-    run = plan.Run(batch=2, seq_len=128, dtype=dtype, layers=(1, 3), attention=attention, device="cpu")
-    found = plan.estimate(plan.shape_of(plan.meta_model("llama", hidden=64, layers=6)), run, "ddp")
+    run = memory_plan.Run(batch=2, seq_len=128, dtype=dtype, layers=(1, 3), attention=attention, device="cpu")
+    found = memory_plan.estimate(memory_plan.shape_of(memory_plan.meta_model("llama", hidden=64, layers=6)), run, "ddp")
     estimated = found.activations_checkpointed if checkpointing else found.activations
     off = (estimated - measured) / measured
     assert abs(off) <= TOLERANCE, f"plan {estimated / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB ({off:+.1%})"
@@ -144,8 +144,8 @@ def test_only_the_interventions_have_gradients_and_optimizer_state():
     model = case.build()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base = sum(p.numel() for p in model.model.parameters())
-    shape = plan.shape_of(plan.meta_model("llama", hidden=64, layers=3))
-    found = plan.estimate(shape, plan.Run(dtype="fp32", layers=(0, 2), rank=4), "ddp")
+    shape = memory_plan.shape_of(memory_plan.meta_model("llama", hidden=64, layers=3))
+    found = memory_plan.estimate(shape, memory_plan.Run(dtype="fp32", layers=(0, 2), rank=4), "ddp")
     assert shape.parameters == base
     assert found.parameters == base * 4
     assert found.interventions == trainable * 4 * 4  # fp32 weights, gradients, exp_avg, exp_avg_sq
@@ -181,7 +181,7 @@ def test_the_command_prints_every_strategy_and_whether_it_fits(config_folder, ca
                          "--layers", "2,8", "--gpu-memory", "8")
     assert code == 0, err
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
-    for strategy in plan.PLANNED:
+    for strategy in memory_plan.PLANNED:
         assert strategy in lines, out
     # DDP measured 7.97 GiB at this shape (ddp-scaling-2xH200.jsonl): not within 90% of 8 GiB; checkpointed it is
     assert lines["ddp"][6] == "no" and lines["ddp"][9] == "yes", out
@@ -193,7 +193,7 @@ def test_the_json_rows_add_up(config_folder, capsys):
                          "--dtype", "float32", "--zero", '{"stage3_max_live_parameters": 3e7}', "--json")
     assert code == 0, err
     rows = {row["strategy"]: row for row in json.loads(out)}
-    assert set(rows) == set(plan.PLANNED)
+    assert set(rows) == set(memory_plan.PLANNED)
     ddp, zero3 = rows["ddp"], rows["zero3"]
     assert zero3["parameters"] == pytest.approx(ddp["parameters"] / 8)  # 2 nodes x 4 GPUs
     assert rows["zero3-offload"]["parameters"] == 0
@@ -222,7 +222,7 @@ def test_the_documented_table_is_what_plan_prints(capsys, monkeypatch):
     block = page.split("```console\n", 1)[1].split("```", 1)[0].splitlines()
     command, shown = block[0], block[1:]
     assert command.startswith("$ pyvene-dist plan ")
-    monkeypatch.setattr(plan, "detected_gpu_memory", lambda: None)
+    monkeypatch.setattr(memory_plan, "detected_gpu_memory", lambda: None)
     code, out, err = cli(capsys, *command.split()[3:])
     assert code == 0, err
     assert out.splitlines() == shown

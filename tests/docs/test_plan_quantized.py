@@ -7,21 +7,21 @@ import json
 
 import pytest
 
-from pyvene_dist import plan
+from pyvene_dist import memory_plan
 from pyvene_dist.__main__ import main
 
 #: A made-up shape with round numbers: 10,000 parameters, of which 7,680 are the 4 decoder layers' linear weights
 #: (1,920 a layer, 256 output rows a layer), the largest linear 512 elements, the largest outer module 1,000.
-SHAPE = plan.Shape(name="made-up", parameters=10_000, layer_parameters=2_000, largest_outer_module=1_000, layers=4,
-                   hidden=16, intermediate=32, heads=2, kv_heads=2, vocab=100, llama_like=True, quantizable=7_680,
-                   layer_quantizable=1_920, largest_linear=512, linear_rows=1_024)
+SHAPE = memory_plan.Shape(name="made-up", parameters=10_000, layer_parameters=2_000, largest_outer_module=1_000,
+                          layers=4, hidden=16, intermediate=32, heads=2, kv_heads=2, vocab=100, llama_like=True,
+                          quantizable=7_680, layer_quantizable=1_920, largest_linear=512, linear_rows=1_024)
 #: ZeRO-3's reduce bucket at 100 elements so that the hand sums stay small.
-RUN = plan.Run(gpus=2, dtype="bf16", layers=(0,), zero={"reduce_bucket_size": 100})
+RUN = memory_plan.Run(gpus=2, dtype="bf16", layers=(0,), zero={"reduce_bucket_size": 100})
 
 
 def test_4bit_weights_and_gathered_bytes_by_hand():
-    run = plan.Run(**{**RUN.__dict__, "quantize": "4bit"})
-    found = {e.strategy: e for e in plan.plan(SHAPE, run)}
+    run = memory_plan.Run(**{**RUN.__dict__, "quantize": "4bit"})
+    found = {e.strategy: e for e in memory_plan.plan(SHAPE, run)}
     assert list(found) == ["ddp", "fsdp2", "fsdp2-offload", "zero2", "zero3", "zero3-offload", "device_map"]
     # 4-bit: 0.5 byte an element + a float32 absmax per 64 = 0.5625. Whole base: 2,320 bf16 elements x 2 = 4,640,
     # plus 7,680 x 0.5625 = 4,320: 8,960 bytes. Dequantized for compute: the largest linear, 512 x 2 = 1,024.
@@ -39,25 +39,25 @@ def test_4bit_weights_and_gathered_bytes_by_hand():
 
 
 def test_8bit_is_one_byte_an_element_plus_row_scales_and_fsdp_is_not_planned():
-    run = plan.Run(**{**RUN.__dict__, "quantize": "8bit"})
-    found = {e.strategy: e for e in plan.plan(SHAPE, run)}
+    run = memory_plan.Run(**{**RUN.__dict__, "quantize": "8bit"})
+    found = {e.strategy: e for e in memory_plan.plan(SHAPE, run)}
     assert list(found) == ["ddp", "zero2", "zero3", "zero3-offload", "device_map"]
     # 4,640 (bf16 rest) + 7,680 x 1 + 1,024 rows x 4 bytes = 16,416
     assert found["ddp"].parameters == 16_416
     with pytest.raises(ValueError, match="'fsdp2' cannot shard 8bit bases"):
-        plan.estimate(SHAPE, run, "fsdp2")
+        memory_plan.estimate(SHAPE, run, "fsdp2")
 
 
 def test_without_quantize_nothing_changes():
-    assert [e.strategy for e in plan.plan(SHAPE, RUN)] == list(plan.PLANNED)
-    assert plan.estimate(SHAPE, RUN, "fsdp2").gathered == (2 * 2_000 + 1_000) * 2  # docs/plan.md's terms
+    assert [e.strategy for e in memory_plan.plan(SHAPE, RUN)] == list(memory_plan.PLANNED)
+    assert memory_plan.estimate(SHAPE, RUN, "fsdp2").gathered == (2 * 2_000 + 1_000) * 2  # docs/plan.md's terms
 
 
 def test_the_quantizable_weights_of_the_tiny_llama_are_its_linear_layers():
     # hidden 32, 4 heads of 8, 2 key-value heads, intermediate 64, 2 layers: q, o 32 x 32; k, v 16 x 32;
     # gate, up 64 x 32; down 32 x 64: 1,024 + 1,024 + 512 + 512 + 3 x 2,048 = 9,216 a layer;
     # output rows 32 + 32 + 16 + 16 + 64 + 64 + 32 = 256 a layer
-    shape = plan.shape_of(plan.meta_model("llama"))
+    shape = memory_plan.shape_of(memory_plan.meta_model("llama"))
     assert (shape.quantizable, shape.layer_quantizable, shape.largest_linear, shape.linear_rows) == (
         18_432, 9_216, 2_048, 512)
 

@@ -13,7 +13,7 @@ from pyvene_dist.testing import ParityCase
 def test_ranks_with_different_interventions_fail_at_setup(wrap):
     import torch
 
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     model = ParityCase(layers=(dist.get_rank(),)).build()  # same shapes, different layers: DDP would run

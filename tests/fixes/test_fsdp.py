@@ -30,7 +30,7 @@ def test_fsdp2_matches_one_process(case):
 def test_base_is_sharded_and_interventions_stay_whole():
     from torch.distributed.tensor import DTensor
 
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     model = fully_shard_model(ParityCase().build())
@@ -49,11 +49,11 @@ def test_excluding_consistency_leaves_its_check_out_under_fsdp_too():
     """fsdp runs consistency's check (the ranks' interventions compared) only where that fix is applied:
     ``exclude=["consistency"]`` left it running under FSDP."""
     import pyvene_dist
-    from pyvene_dist.fixes import consistency
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
+    from pyvene_dist.mechanisms import same_interventions
 
-    described, intervention_rows = [], consistency.intervention_rows
-    consistency.intervention_rows = lambda model: described.append(model) or intervention_rows(model)
+    described, intervention_rows = [], same_interventions.intervention_rows
+    same_interventions.intervention_rows = lambda model: described.append(model) or intervention_rows(model)
     try:
         for exclude, checked in ((["consistency"], False), ([], True)):
             described.clear()
@@ -61,14 +61,14 @@ def test_excluding_consistency_leaves_its_check_out_under_fsdp_too():
                 fully_shard_model(ParityCase().build())
             assert bool(described) is checked, f"exclude={exclude}: the check described {len(described)} models"
     finally:
-        consistency.intervention_rows = intervention_rows
+        same_interventions.intervention_rows = intervention_rows
 
 @pytest.mark.world_size(1)
 def test_unpatch_removes_the_interventions_gradient_averaging():
     """fully_shard, patched, hooks each trainable intervention parameter to average its gradient over the
     ranks; unpatch() removes those hooks with the rest."""
     import pyvene_dist
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     model = fully_shard_model(ParityCase().build())

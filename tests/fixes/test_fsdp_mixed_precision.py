@@ -82,7 +82,7 @@ def test_unpatch_removes_the_casts():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import pyvene_dist
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     model = fully_shard_model(ParityCase().build(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))

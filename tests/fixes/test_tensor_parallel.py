@@ -210,13 +210,13 @@ def _forward(model, batch):
 
 
 def _counting_walks(monkeypatch) -> list:
-    """Every model ``tensor_parallel.has_dtensor_parameters`` walks from now on."""
+    """Every model ``mechanisms.dtensors.has_dtensor_parameters`` walks from now on."""
     import torch.distributed.tensor  # noqa: F401  (FSDP2 and transformers import it; the walk runs only then)
 
-    from pyvene_dist.fixes import tensor_parallel
+    from pyvene_dist.mechanisms import dtensors
 
-    walked, walk = [], tensor_parallel.has_dtensor_parameters
-    monkeypatch.setattr(tensor_parallel, "has_dtensor_parameters", lambda model: walked.append(model) or walk(model))
+    walked, walk = [], dtensors.has_dtensor_parameters
+    monkeypatch.setattr(dtensors, "has_dtensor_parameters", lambda model: walked.append(model) or walk(model))
     return walked
 
 
@@ -235,7 +235,7 @@ def test_the_parameters_are_walked_at_the_first_forward_only(patched, monkeypatc
 def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch):
     """A forward before fully_shard found plain parameters; fully_shard of the pyvene model (its parameters
     now DTensors) makes the next forward look again, and find them."""
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
 
     helpers.patch()
     walked = _counting_walks(monkeypatch)
@@ -248,7 +248,7 @@ def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch
     _forward(model, second)
     assert walked == [model.model, model.model]
     from pyvene_dist._registry import REGISTRY
-    from pyvene_dist.fixes.tensor_parallel import TensorParallelState
+    from pyvene_dist.mechanisms.dtensors import TensorParallelState
 
     assert REGISTRY.models.get(model, TensorParallelState).dtensor_parameters is True
     torch.testing.assert_close(sharded, unsharded, rtol=0, atol=0)
@@ -259,7 +259,7 @@ def test_tp_is_unavailable_where_transformers_cannot_split_the_vocabulary(monkey
     ranks (the version matrix's oldest column); the check says so instead of failing, and runs tp from 5.21."""
     import importlib.metadata
 
-    from pyvene_dist.testing.registry import STRATEGIES
+    from pyvene_dist.testing.strategies import STRATEGIES
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0")
     assert STRATEGIES["tp"].unavailable(2, 0) == ("transformers 5.17.0's tp_plan needs the vocabulary (97) divisible "

@@ -15,7 +15,7 @@ from pyvene_dist.testing import assert_parity, differences, tolerance, train
 bitsandbytes = pytest.importorskip("bitsandbytes", reason="the quantize extra is not installed")
 
 from pyvene_dist.testing import models  # noqa: E402
-from pyvene_dist.testing.quantized import QuantizedCase, bits_and_bytes_config  # noqa: E402
+from pyvene_dist.testing.quantized_cases import QuantizedCase, bits_and_bytes_config  # noqa: E402
 
 #: Two steps of two micro-batches (CI's time); bf16 compares at lr 1e-3, as the harness's other bf16 cases do
 #: (case.py: Adam's sign noise at 1e-2).
@@ -68,7 +68,7 @@ def test_a_quantized_base_trains_as_in_one_process(case, strategy):
 def test_fsdp_refuses_an_8bit_base_before_sharding_it():
     """Unpatched, fully_shard took the 8-bit model and the first forward failed inside bitsandbytes with
     ``AttributeError: 'Parameter' object has no attribute 'CB'``."""
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
     from pyvene_dist.quantized import UnshardableQuantization
 
     helpers.patch()

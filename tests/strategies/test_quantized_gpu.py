@@ -13,7 +13,7 @@ from pyvene_dist.testing import assert_parity, differences, tolerance, train
 
 pytest.importorskip("bitsandbytes", reason="the quantize extra is not installed")
 
-from pyvene_dist.testing.quantized import QuantizedCase  # noqa: E402
+from pyvene_dist.testing.quantized_cases import QuantizedCase  # noqa: E402
 
 CASES = [
     pytest.param(QuantizedCase(quantize="4bit"), id="4bit-fp32"),

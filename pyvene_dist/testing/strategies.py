@@ -8,7 +8,7 @@ from typing import Callable
 from .requirements import (Requirement, any_machine, gpu_per_rank, installed, tp_plan_splits_the_vocabulary,
                            two_dimensional, two_gpus)
 from .runners import DDP, FSDP1, FSDP2, Accelerate, DataParallel, DeepSpeed, DeviceMap, Strategy
-from .tensor_parallel import HSDP, TensorParallel, TensorParallelFSDP2
+from .mesh_runners import HSDP, TensorParallel, TensorParallelFSDP2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Tensor-parallel runners: TP over every rank (``from_pretrained(tp_plan=...)`` or by hand), TP inside FSDP2,
-and HSDP, each on a device mesh."""
+"""The runners on a device mesh: tensor parallel over every rank (``from_pretrained(tp_plan=...)`` or by hand),
+TP inside FSDP2, and HSDP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 from torch import nn
 
+from ..fully_shard import fully_shard_model
 from . import models
 from .runners import DDP
 
@@ -91,8 +92,6 @@ class TensorParallelFSDP2(TensorParallel):
         self.name = "tp-fsdp2"
 
     def wrap(self, model):
-        from ..fsdp import fully_shard_model
-
         return fully_shard_model(model, mesh=self.mesh["dp_shard"])
 
 
@@ -106,8 +105,6 @@ class HSDP(TensorParallel):
         super().__init__(device, shape=(self._world_size() // 2, 2))
 
     def wrap(self, model):
-        from ..fsdp import fully_shard_model
-
         return fully_shard_model(model, mesh=self.mesh)
 
 

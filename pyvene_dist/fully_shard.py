@@ -2,7 +2,7 @@
 
     import pyvene_dist
     pyvene_dist.patch()
-    from pyvene_dist.fsdp import fully_shard_model
+    from pyvene_dist.fully_shard import fully_shard_model
     fully_shard_model(reft_model)      # keyword arguments go to every fully_shard call (mesh, mp_policy, ...)
 
 The interventions stay whole and their gradients are averaged over the group (see
@@ -25,6 +25,8 @@ def layer_classes(model: nn.Module) -> set[str]:
 
 
 def fully_shard_model(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
+    # Here, not at the top: torch.distributed.fsdp imports torch.distributed.tensor (0.9 s), which every rank
+    # importing pyvene_dist.testing would pay for runners that never shard.
     from torch.distributed.fsdp import fully_shard
 
     classes = layer_classes(model)

@@ -8,9 +8,9 @@ and Adam state, and the activations autograd keeps to reach the interventions.
 
 The activation terms are those of a Llama-family decoder layer (RMSNorm, grouped-query attention, gated
 MLP) under transformers 5 with frozen weights, counted tensor by tensor from what autograd saves
-(``torch.autograd.graph.saved_tensors_hooks``; ``tests/docs/test_plan.py`` checks them on CPU), and the peak
+(``torch.autograd.graph.saved_tensors_hooks``; ``tests/cli/test_plan.py`` checks them on CPU), and the peak
 from where backward starts. Other architectures are estimated as if they had that layer. The results are
-checked against the measured peaks in ``benchmarks/results`` (``tests/docs/test_plan.py``).
+checked against the measured peaks in ``benchmarks/results`` (``tests/cli/test_plan.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .testing import models
+from .testing.check_runs import model_config
 
 GIB = 2**30
 #: The strategies `pyvene-dist plan` estimates, as named in the harness's registry.
@@ -104,8 +111,6 @@ class Estimate:
 
 def shape_of(model, name: str = "") -> Shape:
     """The shape of a (meta-device) causal LM: parameter counts, and the config's sizes."""
-    import torch.nn as nn
-
     config = model.config
     layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
     if layers is None or len(layers) == 0:
@@ -146,21 +151,14 @@ def _first(config, *names):
 def meta_model(model: str, hidden: int | None = None, layers: int | None = None):
     """A causal LM on the meta device: a built-in name of ``pyvene_dist.testing.models``, a local folder
     with config.json, a config .json file, or a hub name already in the local cache (never downloaded)."""
-    from pathlib import Path
-
-    import torch
-
-    from .testing import models
-
     with torch.device("meta"):
         if model in models.BASE_MODELS:
             shape = {k: v for k, v in {"hidden": hidden, "layers": layers}.items() if v is not None}
             return models.BASE_MODELS[model](**shape)
+        # Here: transformers takes seconds to import, and the command line imports this module for every command.
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if Path(model).exists():
-            from .testing.check_runs import model_config
-
             config = model_config(model)
         else:
             try:
@@ -332,8 +330,6 @@ def fits(total: float, gpu_memory_gib: float) -> bool:
 def detected_gpu_memory() -> float | None:
     """GiB of the first visible GPU, or None without one."""
     try:
-        import torch
-
         if torch.cuda.is_available():
             return torch.cuda.get_device_properties(0).total_memory / GIB
     except Exception:  # noqa: BLE001 - a broken driver is the same as no GPU for a default
