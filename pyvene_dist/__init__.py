@@ -3,10 +3,11 @@
     import pyvene_dist
     pyvene_dist.patch()        # before building models; stock pyvene/pyreft/HF Trainer code then works
 
-Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly.
+Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly (the
+import adds one finder, for the old names of renamed modules: ``_renamed``).
 
 Beside ``patch()``: ``gather.gathered`` (the interventions whole outside a forward, as for a save under
-ZeRO-3), ``optim``, ``fsdp``, ``testing`` (the parity harness) and the commands
+ZeRO-3), ``optim``, ``fully_shard``, ``testing`` (the parity harness) and the commands
 ``pyvene-dist check`` and ``plan``. ``fixes`` holds one module per fix; names with ``_`` are private.
 """
 
@@ -16,25 +17,30 @@ import contextlib
 from typing import Iterable, Iterator
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__"]
+__all__ = ("patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__")
+
+from . import _renamed
+
+_renamed.install()
 
 
 def patch(
     *,
     only: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
-    cuda_graphs: bool | None = None,
-    fast_path: bool | None = None,
     allow_unsupported: bool | None = None,
+    **options: bool | None,
 ) -> None:
     """Apply the fixes (``pyvene_dist.fixes``). A second call changes nothing until ``unpatch()``.
 
     ``only``: these fixes and those they require; ``exclude``: every fix but these (an error if a fix
-    applied requires one). ``cuda_graphs=False`` keeps LoReFT's rotation eager on CUDA (default: the
-    ``PYVENE_DIST_CUDA_GRAPHS`` environment variable, else on). ``fast_path=False`` runs every forward
-    and generate through pyvene's general path (default: ``PYVENE_DIST_FAST_PATH``, else on; see
-    docs/fast_path.md). Fixes that pyvene's and pyreft's
-    ``FIXES`` report carrying are left out.
+    applied requires one). Fixes that pyvene's and pyreft's ``FIXES`` report carrying are left out.
+
+    ``options`` are the fixes' own switches, each declared in its record (``Fix(options=...)``):
+    ``cuda_graphs=False`` keeps LoReFT's rotation eager on CUDA (``fixes.orthogonal``; default: the
+    ``PYVENE_DIST_CUDA_GRAPHS`` environment variable, else on); ``fast_path=False`` runs every forward
+    and generate through pyvene's general path (``fixes.fast_path``; default: ``PYVENE_DIST_FAST_PATH``,
+    else on; see docs/fast_path.md). An option no fix declares is refused naming it and the known ones.
 
     Before applying anything, compares the source of every function the selected fixes depend on (pyreft's and
     ``transformers.trainer``'s too, read from their files without importing them) with the forms known to work
@@ -44,37 +50,39 @@ def patch(
     ``PYVENE_DIST_ALLOW_UNSUPPORTED=1`` (then a warning). Each environment variable takes 1/0, true/false,
     yes/no or on/off in any case (``pyvene_dist._options.switch``), and another value is refused by name.
     """
-    from . import _versions
-    from ._options import Options
-    from ._registry import REGISTRY
-    from .fixes import select
+    from . import _registry, _versions
+    from ._options import ALLOW_UNSUPPORTED, Options
+    from .fixes import fixes, select
 
-    if REGISTRY.active:
+    if _registry.APPLIED.active:
         return
-    options = Options.resolve(allow_unsupported=allow_unsupported, cuda_graphs=cuda_graphs, fast_path=fast_path)
-    fixes = select(only, exclude)
-    _versions.check(fixes, options.allow_unsupported)
-    REGISTRY.options = options
+    declared = [("pyvene_dist.patch()", ALLOW_UNSUPPORTED)]
+    declared += [(f"the fix {fix.name!r}", option) for fix in fixes() for option in fix.options]
+    resolved = Options.resolve(declared, {"allow_unsupported": allow_unsupported, **options})
+    selected = select(only, exclude)
+    _versions.check(selected, resolved.allow_unsupported)
+    _registry.OPTIONS.current = resolved
     try:
-        for fix in fixes:
-            fix.patch(REGISTRY, options)
+        for fix in selected:
+            _registry.APPLIED.add(fix.name)
+            fix.patch(_registry.UNDO_LOG, _registry.IMPORT_HOOKS, resolved)
     except BaseException:
-        REGISTRY.restore_all()
+        _registry.restore_all()
         raise
-    REGISTRY.active = True
+    _registry.APPLIED.active = True
 
 
 def unpatch() -> None:
     """Put back every object ``patch()`` replaced. Without a prior ``patch()`` it does nothing."""
-    from ._registry import REGISTRY
+    from ._registry import restore_all
 
-    REGISTRY.restore_all()
+    restore_all()
 
 
 def is_patched() -> bool:
-    from ._registry import REGISTRY
+    from ._registry import APPLIED
 
-    return REGISTRY.active
+    return APPLIED.active
 
 
 def positions_from_attention_mask(attention_mask, positions: str = "l1", *, num_interventions: int = 1,

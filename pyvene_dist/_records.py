@@ -1,10 +1,10 @@
 """What a fix is: ``Fix``, the record each fix module declares, and its sites (``Site``); how a record is applied
-into the registry (``Fix.patch``), with the checks that refuse a site the installed release changed.
+(``Fix.patch``, into ``_registry``'s undo log), with the checks that refuse a site the installed release changed.
 
 Each fix module declares one ``FIX = Fix(...)``: the sites it wraps, replaces or adds, the functions it relies on
 besides, the fixes it is built on and the upstream packages whose ``FIXES`` retire it. The releases it was checked
 on are those of the forms of its functions known to work (``_fingerprints``), which ``patch()`` compares first.
-``Fix.patch(registry)`` applies it; of the module, only what the record names runs at ``patch()``.
+``Fix.patch(undo_log, import_hooks, options)`` applies it; of the module, only what the record names runs at ``patch()``.
 
 Patches name the class that *defines* a method (``BaseModel.named_parameters``, not
 ``IntervenableModel.named_parameters``): wrapping through a subclass would shadow the base
@@ -18,24 +18,18 @@ import functools
 import importlib
 import inspect
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ._fingerprints import digest, known
-from ._options import Options
+from ._options import Option, Options
+from ._registry import FixError, ImportHooks, UndoLog
 from ._versions import ALLOW_ENV, UnsupportedVersionError, known_forms
-
-if TYPE_CHECKING:
-    from ._registry import Registry
 
 _ABSENT = object()
 #: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and
 #: ``transformers.trainer`` is slow to import.
 IMPORTED_LATER = ("pyreft", "transformers.trainer")
 KINDS = ("wrap", "replace", "add", "entry")
-
-
-class FixError(RuntimeError):
-    """A fix could not be applied; its message names the fix and the cause."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +112,7 @@ class Fix:
     #: applied with it, before it.
     requires: tuple[str, ...] = ()
     #: Fixes this one is applied after when they are applied too, without pulling them in: an ``entry``
-    #: site stacks on the wraps of the same attribute, and code calls theirs only where ``REGISTRY.applied``
+    #: site stacks on the wraps of the same attribute, and code calls theirs only where ``_registry.APPLIED``
     #: names them (or keeps their state coherent). tests/test_patching.py derives both from the imports.
     after: tuple[str, ...] = ()
     #: Packages that each must name this fix in their ``FIXES`` before ``patch()`` leaves it out;
@@ -133,18 +127,21 @@ class Fix:
     state: type | str | None = None
     #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
     on_patch: Callable[[Options], None] | str | None = None
-    #: Run by ``unpatch()`` after the sites are restored: undoes what the wrappers did to live objects
-    #: (hooks they registered, graphs they captured).
-    on_unpatch: Callable[[], None] | str | None = None
+    #: This fix's switches (``pyvene_dist._options.Option``): ``patch(name=...)`` takes each, checked here, and
+    #: the fix reads it at run time as ``_registry.OPTIONS.current.<name>``.
+    options: tuple[Option, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.relies_on, str):
             raise TypeError(f"Fix {self.module!r}: relies_on={self.relies_on!r}, expected a tuple of "
                             "'module:Qualified.name' strings")
+        if not all(isinstance(option, Option) for option in self.options) or isinstance(self.options, Option):
+            raise TypeError(f"Fix {self.module!r}: options={self.options!r}, expected a tuple of "
+                            "pyvene_dist._options.Option")
         for path in self.relies_on:
             _check_path(f"Fix {self.module!r}: relies_on", path)
 
-    @functools.cached_property  # read on hot paths (``FIX.name in REGISTRY.applied``)
+    @functools.cached_property  # read on hot paths (``FIX.name in APPLIED``)
     def name(self) -> str:
         return self.module.rsplit(".", 1)[-1]
 
@@ -162,47 +159,45 @@ class Fix:
         except AttributeError:
             raise AttributeError(f"the fix {self.name!r} names {value!r}, which {self.module} lacks") from None
 
-    def patch(self, registry: "Registry", options: Options = Options()) -> None:
-        """Apply this fix into ``registry``: sites of imported modules now, of later ones on import."""
-        registry.applied.add(self.name)
+    def patch(self, undo_log: UndoLog, import_hooks: ImportHooks, options: Options = Options(allow_unsupported=False)) -> None:
+        """Apply this fix, each change recorded in ``undo_log``: sites of imported modules now, of modules imported
+        later (``IMPORTED_LATER``) on their import, through ``import_hooks``."""
         if self.on_patch is not None:
             self.resolve(self.on_patch)(options)
-        if self.on_unpatch is not None:
-            registry.on_restore(self.resolve(self.on_unpatch))
         by_module: dict[str, list[Site]] = {}
         for site in self.places:
             by_module.setdefault(site.module, []).append(site)
         for module_name, sites in by_module.items():
-            apply = functools.partial(_apply_sites, self, tuple(sites), registry, options)
+            apply = functools.partial(_apply_sites, self, tuple(sites), undo_log, options)
             if sites[0].imported_later:
-                registry.when_imported(module_name, apply, fix=self.name)
+                import_hooks.when_imported(module_name, apply, fix=self.name)
             else:
                 apply(importlib.import_module(module_name))
 
 
-def _apply_sites(fix: Fix, sites: tuple[Site, ...], registry: "Registry", options: Options, module: Any) -> None:
+def _apply_sites(fix: Fix, sites: tuple[Site, ...], undo_log: UndoLog, options: Options, module: Any) -> None:
     for site in sites:
         owner = site.owner(module)
         if site.reexports is not None:
-            _check_reexport(fix, site, owner, registry)
+            _check_reexport(fix, site, owner, undo_log)
         if site.kind == "add":
-            registry.add(owner, site.attribute, fix.resolve(site.wrapper))
+            undo_log.add(owner, site.attribute, fix.resolve(site.wrapper))
             continue
         if site.kind == "entry":
-            registry.enter(owner, site.attribute, fix.resolve(site.wrapper))
+            undo_log.enter(owner, site.attribute, fix.resolve(site.wrapper))
             continue
-        if site.kind == "replace" and registry.find(owner, site.attribute) is None:
+        if site.kind == "replace" and undo_log.find(owner, site.attribute) is None:
             _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
-        registry.wrap(owner, site.attribute, fix.resolve(site.wrapper))
+        undo_log.wrap(owner, site.attribute, fix.resolve(site.wrapper))
 
 
-def _check_reexport(fix: Fix, site: Site, owner: Any, registry: "Registry") -> None:
+def _check_reexport(fix: Fix, site: Site, owner: Any, undo_log: UndoLog) -> None:
     """A re-export's place must hold what its module re-exports (the original, before any wrap)."""
     source = site.owner(importlib.import_module(site.reexports))
-    wrapped = registry.find(source, site.attribute)
+    wrapped = undo_log.find(source, site.attribute)
     exported = wrapped.original if wrapped is not None else vars(source).get(site.attribute, _ABSENT)
     found = vars(owner).get(site.attribute, _ABSENT)
-    if found is not exported and registry.find(owner, site.attribute) is None:
+    if found is not exported and undo_log.find(owner, site.attribute) is None:
         raise FixError(f"pyvene_dist's fix {fix.name!r}: {site.path} is not {site.reexports}'s {site.attribute} "
                        f"re-exported ({found!r} there); the installed version defines its own, which needs a Site "
                        "of its own rather than reexported_in")

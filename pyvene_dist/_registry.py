@@ -1,14 +1,21 @@
-"""The record of every wrap pyvene_dist installs (``REGISTRY``), so that ``unpatch()`` puts back the very
-objects it found; the fixes' records (``Fix``, ``Site``) are ``_records``'.
+"""Everything pyvene_dist changes while patched, one object per job, and the one ``restore_all`` that undoes it.
 
-A wrap is recorded as (owner, attribute, original, proxy): ``owner`` is the module or class whose
-``__dict__`` defines the attribute, ``original`` is what that ``__dict__`` held (the raw function,
-``staticmethod`` or ``classmethod`` object, never a bound method), and ``proxy`` is the
-``wrapt.FunctionWrapper`` put in its place. Restoring writes ``original`` back, in reverse order.
+- ``UNDO_LOG`` (``UndoLog``): every wrap, so that ``unpatch()`` puts back the very objects it found. A wrap is
+  recorded as (owner, attribute, original, proxy): ``owner`` is the module or class whose ``__dict__`` defines the
+  attribute, ``original`` is what that ``__dict__`` held (the raw function, ``staticmethod`` or ``classmethod``
+  object, never a bound method), and ``proxy`` is the ``wrapt.FunctionWrapper`` put in its place. Restoring writes
+  ``original`` back, in reverse order.
+- ``IMPORT_HOOKS`` (``ImportHooks``): modules that may be imported after ``patch()`` (pyreft,
+  ``transformers.trainer``) are patched right after their import, through ``_imports.ImportHook``, a finder on
+  ``sys.meta_path`` while some are awaited; ``unpatch()`` takes it off, so ``sys.meta_path`` is as ``patch()``
+  found it.
+- ``MODELS`` (``_state.ModelStates``): what the fixes keep per pyvene model.
+- ``APPLIED`` (``Applied``): whether patched, and the names of the fixes applied.
+- ``OPTIONS`` (``CurrentOptions``): the ``Options`` ``patch()`` resolved, which the fixes read at run time.
 
-Modules that may be imported after ``patch()`` (pyreft, ``transformers.trainer``) are patched right
-after their import by ``_imports.ImportHook``, a finder on ``sys.meta_path`` while some are awaited;
-``unpatch()`` takes it off, so ``sys.meta_path`` is as ``patch()`` found it.
+``Fix.patch`` is handed the undo log and the import hooks; the fixes' code reads ``MODELS``, ``APPLIED`` and
+``OPTIONS``. This is the one module of pyvene_dist that holds mutable module state. ``REGISTRY`` (``Registry``)
+is the five together, as the fixes reached them before the split.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ import wrapt
 
 from ._imports import ImportHook, is_importing
 from ._options import Options
-from ._records import FixError
 from ._state import ModelStates
 
 _MISSING = object()
+
+
+class FixError(RuntimeError):
+    """A fix could not be applied; its message names the fix and the cause."""
 
 
 def qualified_name(owner: Any) -> str:
@@ -49,7 +59,7 @@ class Wrap:
 
 
 def is_entry(value: Any) -> bool:
-    """Whether ``value`` is a function a ``Site`` of kind ``entry`` put in place (``Registry.enter``)."""
+    """Whether ``value`` is a function a ``Site`` of kind ``entry`` put in place (``UndoLog.enter``)."""
     return getattr(value, "__pyvene_dist_entry__", False) is True
 
 
@@ -80,18 +90,16 @@ class _MethodWrapper(wrapt.FunctionWrapper):
     __bound_function_wrapper__ = _BoundMethodWrapper
 
 
-class Registry:
+def _not_defined(owner: Any, attribute: str) -> AttributeError:
+    return AttributeError(f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the "
+                          "class that defines it. The installed version differs from the one this patch was written for.")
+
+
+class UndoLog:
+    """Every attribute pyvene_dist wrapped, replaced or added, with what was there before."""
+
     def __init__(self) -> None:
         self._sites: list[Wrap] = []
-        self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
-        self._import_hook = ImportHook(self._deferred, self._on_import)
-        self._on_restore: list[Callable[[], None]] = []
-        #: What the fixes keep per pyvene model (``pyvene_dist._state``); ``restore_all`` closes it all.
-        self.models = ModelStates()
-        self.active = False
-        #: While patched: the ``Options`` of ``patch()`` (switches resolved), and the names of the fixes applied.
-        self.options: Options | None = None
-        self.applied: set[str] = set()
 
     @property
     def sites(self) -> tuple[Wrap, ...]:
@@ -118,10 +126,7 @@ class Registry:
             return
         original = vars(owner).get(attribute, _MISSING)
         if original is _MISSING:
-            raise AttributeError(
-                f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
-                "that defines it. The installed version differs from the one this patch was written for."
-            )
+            raise _not_defined(owner, attribute)
         proxy = _MethodWrapper(original, wrapper)
         setattr(owner, attribute, proxy)
         self._sites.append(Wrap(owner, attribute, original, proxy))
@@ -133,8 +138,7 @@ class Registry:
         if is_entry(current):
             return
         if current is _MISSING:
-            raise AttributeError(f"{qualified_name(owner)} does not define {attribute!r} itself; pyvene_dist patches the class "
-                                 "that defines it. The installed version differs from the one this patch was written for.")
+            raise _not_defined(owner, attribute)
         entry = make_entry(current)
         if not isinstance(entry, types.FunctionType):
             raise TypeError(f"the entry for {qualified_name(owner)}.{attribute} is {entry!r}, expected a plain function")
@@ -155,6 +159,39 @@ class Registry:
         setattr(owner, attribute, value)
         self._sites.append(Wrap(owner, attribute, _MISSING, value))
 
+    def check_restorable(self) -> None:
+        """Refuse (``RuntimeError`` naming them) while someone else replaced a site after pyvene_dist wrapped it."""
+        expected: dict[tuple[int, str], Any] = {}  # what each attribute holds: its last site's proxy
+        for site in self._sites:
+            expected[id(site.owner), site.attribute] = site.proxy
+        replaced = sorted({site.name for site in self._sites
+                           if vars(site.owner).get(site.attribute) is not expected[id(site.owner), site.attribute]})
+        if replaced:
+            raise RuntimeError(
+                f"cannot unpatch {', '.join(replaced)}: replaced by someone else after pyvene_dist wrapped it; "
+                "unwrap that first"
+            )
+
+    def restore(self) -> None:
+        """Put back every original, newest first (``check_restorable`` first)."""
+        self.check_restorable()
+        for site in reversed(self._sites):
+            if site.original is _MISSING:
+                delattr(site.owner, site.attribute)
+            else:
+                setattr(site.owner, site.attribute, site.original)
+        self._sites.clear()
+
+
+class ImportHooks:
+    """The fixes waiting for a module's import (``when_imported``), applied right after it; ``undo`` is what a
+    failing one calls to leave pyvene_dist unpatched (``restore_all`` for the module's objects)."""
+
+    def __init__(self, undo: Callable[[], None]) -> None:
+        self._undo = undo
+        self._deferred: dict[str, list[tuple[str, Callable[[Any], None]]]] = {}
+        self._finder = ImportHook(self._deferred, self._on_import)
+
     def when_imported(self, module_name: str, apply: Callable[[Any], None], fix: str = "") -> None:
         """Run ``apply(module)`` now if ``module_name`` is imported, else right after its import.
 
@@ -166,18 +203,23 @@ class Registry:
             apply(module)
             return
         self._deferred.setdefault(module_name, []).append((fix, apply))
-        self._import_hook.install()
+        self._finder.install()
+
+    def clear(self) -> None:
+        """Wait for nothing more, and take the finder off ``sys.meta_path``."""
+        self._deferred.clear()
+        self._finder.uninstall()
 
     def _on_import(self, module_name: str, module: Any) -> None:
         pending = self._deferred.pop(module_name, [])
         if not self._deferred:
-            self._import_hook.uninstall()
+            self._finder.uninstall()
         for fix, apply in pending:
             try:
                 apply(module)
             except Exception as error:
                 try:
-                    self.restore_all()
+                    self._undo()
                     undone = "every fix was undone (pyvene_dist is unpatched)"
                 except RuntimeError as refused:
                     undone = f"undoing the fixes failed too: {refused}"
@@ -186,38 +228,86 @@ class Registry:
                     f"({type(error).__name__}: {error}); {undone}"
                 ) from error
 
-    def on_restore(self, undo: Callable[[], None]) -> None:
-        """Call ``undo()`` when ``restore_all`` has put every original back."""
-        self._on_restore.append(undo)
+
+class Applied:
+    """Whether ``patch()`` is in force (``active``), and the names of the fixes it applied (``name in APPLIED``)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.names: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def add(self, name: str) -> None:
+        self.names.add(name)
+
+    def clear(self) -> None:
+        self.active = False
+        self.names = set()
+
+
+class CurrentOptions:
+    """The ``Options`` ``patch()`` resolved (``current``), None while unpatched: what the fixes read at run time
+    (``OPTIONS.current.fast_path``)."""
+
+    def __init__(self) -> None:
+        self.current: Options | None = None
+
+
+def _restore(undo_log: UndoLog, import_hooks: ImportHooks, models: ModelStates, applied: Applied,
+             options: CurrentOptions) -> None:
+    undo_log.restore()  # first: refuses, changing nothing, while a site was replaced
+    import_hooks.clear()
+    applied.clear()
+    options.current = None
+    models.close_all()
+
+
+def restore_all() -> None:
+    """Undo what ``patch()`` did: put back every original, newest first, stop waiting for imports, forget the
+    fixes applied and the options, and close every model's state (the hooks the fixes registered on live objects
+    go with it). Refuses (changing nothing) if a site was replaced."""
+    _restore(UNDO_LOG, IMPORT_HOOKS, MODELS, APPLIED, OPTIONS)
+
+
+UNDO_LOG = UndoLog()
+IMPORT_HOOKS = ImportHooks(undo=restore_all)
+MODELS = ModelStates()
+APPLIED = Applied()
+OPTIONS = CurrentOptions()
+
+
+class Registry:
+    """The five jobs together (``REGISTRY``), as the fixes reached them before the split; ``Registry()`` makes
+    five new ones (a test applying a fix apart from ``patch()``'s)."""
+
+    def __init__(self, undo_log: UndoLog | None = None, import_hooks: ImportHooks | None = None,
+                 models: ModelStates | None = None, applied: Applied | None = None,
+                 options: CurrentOptions | None = None) -> None:
+        self.undo_log = UndoLog() if undo_log is None else undo_log
+        self.import_hooks = ImportHooks(undo=self.restore_all) if import_hooks is None else import_hooks
+        self.models = ModelStates() if models is None else models
+        self.applied = Applied() if applied is None else applied
+        self._options = CurrentOptions() if options is None else options
+
+    @property
+    def sites(self) -> tuple[Wrap, ...]:
+        return self.undo_log.sites
+
+    def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
+        self.undo_log.wrap(owner, attribute, wrapper)
+
+    @property
+    def active(self) -> bool:
+        return self.applied.active
+
+    @property
+    def options(self) -> Options | None:
+        return self._options.current
 
     def restore_all(self) -> None:
-        """Put back every original, newest first, and close every model's state (the hooks the fixes
-        registered on live objects go with it). Refuses (changing nothing) if a site was replaced."""
-        expected: dict[tuple[int, str], Any] = {}  # what each attribute holds: its last site's proxy
-        for site in self._sites:
-            expected[id(site.owner), site.attribute] = site.proxy
-        replaced = sorted({site.name for site in self._sites
-                           if vars(site.owner).get(site.attribute) is not expected[id(site.owner), site.attribute]})
-        if replaced:
-            raise RuntimeError(
-                f"cannot unpatch {', '.join(replaced)}: replaced by someone else after pyvene_dist wrapped it; "
-                "unwrap that first"
-            )
-        for site in reversed(self._sites):
-            if site.original is _MISSING:
-                delattr(site.owner, site.attribute)
-            else:
-                setattr(site.owner, site.attribute, site.original)
-        self._sites.clear()
-        self._deferred.clear()
-        self._import_hook.uninstall()
-        self.active = False
-        self.options = None
-        self.applied = set()
-        self.models.close_all()
-        undo, self._on_restore = self._on_restore, []
-        for step in reversed(undo):
-            step()
+        _restore(self.undo_log, self.import_hooks, self.models, self.applied, self._options)
 
 
-REGISTRY = Registry()
+REGISTRY = Registry(UNDO_LOG, IMPORT_HOOKS, MODELS, APPLIED, OPTIONS)

@@ -2,8 +2,8 @@
 
 A fix that keeps something per model declares the type in its record (``Fix(state=HookState)``): a class
 made without arguments, whose ``close()`` undoes what it holds (hooks it registered, classes it swapped).
-``REGISTRY.models.of(model, HookState)`` is that fix's part of ``model``'s state, made on first use;
-``REGISTRY.models.get(model, HookState)`` reads it without making one. ``model`` is an
+``MODELS.of(model, HookState)`` (``_registry.MODELS``) is that fix's part of ``model``'s state, made on first use;
+``MODELS.get(model, HookState)`` reads it without making one. ``model`` is an
 ``IntervenableModel``, a ``ReftModel``, or a DataParallel replica of one (an object of its own, with a
 state of its own). This module names no fix: it only keeps, finds and closes the parts.
 
@@ -60,7 +60,7 @@ def _owned(model) -> ModelState | None:
 
 
 class ModelStates:
-    """Every model's state; owned by the registry (``REGISTRY.models``)."""
+    """Every model's state; the one of the process is ``_registry.MODELS``."""
 
     def __init__(self) -> None:
         #: model -> the finalizer that closes its state: the models that have one, for ``close_all``.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 import warnings
 from importlib import metadata
 from typing import Iterable
@@ -37,15 +38,16 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import _fingerprints
-from ._options import VARIABLES
+from ._options import ALLOW_UNSUPPORTED
 
 #: Distribution -> the oldest releases pyvene_dist supports, whichever fixes it applies: those tested. torch 2.11
 #: on the H200s (and ``fixes.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``); transformers 5.17 on
 #: the H200s (4.x's checkpointing is simulated in tests, never run). Newer releases are judged by their forms.
-REQUIRED: dict[str, str] = {"transformers": ">=5.17", "torch": ">=2.11"}
-#: Distributions that may be missing (their fixes then have nothing to fix).
+REQUIRED = types.MappingProxyType({"transformers": ">=5.17", "torch": ">=2.11"})
+#: Distributions that may be missing (their fixes then have nothing to fix, and ``fixes.upstreamed`` counts a
+#: missing one as carrying its fixes).
 OPTIONAL = frozenset({"pyreft"})
-ALLOW_ENV = VARIABLES["allow_unsupported"][0]  # PYVENE_DIST_ALLOW_UNSUPPORTED
+ALLOW_ENV = ALLOW_UNSUPPORTED.variable  # PYVENE_DIST_ALLOW_UNSUPPORTED
 RECORD_COMMAND = "python -m pyvene_dist.fix_list --record"
 log = logging.getLogger("pyvene_dist")
 

@@ -4,6 +4,7 @@ Every order runs in a fresh interpreter (dd-trace-py's matrix): import state lea
 otherwise, and "patch then import" cannot be tested in a process that has imported pyvene already.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def test_version_guard_override(monkeypatch, how):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
     kwargs = {}
     if how == "argument":
         kwargs["allow_unsupported"] = True
@@ -110,7 +111,7 @@ def test_version_guard_override_off(monkeypatch, value):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
     monkeypatch.setenv(_versions.ALLOW_ENV, value)
     with pytest.raises(_versions.UnsupportedVersionError):
         pyvene_dist.patch()
@@ -122,7 +123,7 @@ def test_version_guard_override_words(monkeypatch, value):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
     monkeypatch.setenv(_versions.ALLOW_ENV, value)
     with pytest.warns(RuntimeWarning, match="patching anyway"):
         with pyvene_dist.patched():
@@ -133,7 +134,7 @@ def test_version_guard_refuses_other_override_values(monkeypatch):
     import pyvene_dist
     from pyvene_dist import _versions
 
-    monkeypatch.setitem(_versions.REQUIRED, "transformers", "<1")
+    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
     monkeypatch.setenv(_versions.ALLOW_ENV, "maybe")
     with pytest.raises(ValueError) as error:
         pyvene_dist.patch()
@@ -165,16 +166,19 @@ def test_failed_patch_leaves_nothing_behind(monkeypatch):
     original = vars(BaseModel)["named_parameters"]
     last, fix_patch = fixes()[-1].name, Fix.patch
 
-    def broken(fix, registry, options):
+    def broken(fix, undo_log, import_hooks, options):
         if fix.name == last:  # every other fix is applied by then
             raise RuntimeError("boom")
-        fix_patch(fix, registry, options)
+        fix_patch(fix, undo_log, import_hooks, options)
 
     monkeypatch.setattr(Fix, "patch", broken)
     with pytest.raises(RuntimeError, match="boom"):
         pyvene_dist.patch()
     assert vars(BaseModel)["named_parameters"] is original
     assert not pyvene_dist.is_patched()
+    from pyvene_dist import _registry
+
+    assert not _registry.UNDO_LOG.sites and not _registry.APPLIED.names and _registry.OPTIONS.current is None
 
 
 def _wrapped(owner, attribute):
@@ -307,10 +311,9 @@ def test_a_replaced_original_that_changed_is_refused_naming_the_fix(monkeypatch)
 
 def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
     code = (
-        "import pyvene, wrapt, pyvene_dist\n"
+        "import sys, pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
-        "from pyvene_dist._records import FixError\n"
-        "from pyvene_dist._registry import REGISTRY\n"
+        "from pyvene_dist._registry import APPLIED, OPTIONS, UNDO_LOG, FixError\n"
         "from pyvene_dist.fixes import pyreft_trainer\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
@@ -323,7 +326,8 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
         "    raise SystemExit('import pyreft did not fail')\n"
         "assert \"fix 'pyreft_trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
         "assert \"names '_wrap_evaluate'\" in message and 'every fix was undone' in message, message\n"
-        "assert not pyvene_dist.is_patched() and not REGISTRY.sites\n"
+        "assert not pyvene_dist.is_patched() and not UNDO_LOG.sites and not APPLIED.names and OPTIONS.current is None\n"
+        "assert not [finder for finder in sys.meta_path if type(finder).__name__ == 'ImportHook'], sys.meta_path\n"
         "assert vars(BaseModel)['named_parameters'] is original\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -411,8 +415,8 @@ def test_no_fix_copies_a_reexport_site_by_hand():
 def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
     import types
 
-    from pyvene_dist._records import Fix, FixError, Site
-    from pyvene_dist._registry import Registry
+    from pyvene_dist._records import Fix, Site
+    from pyvene_dist._registry import FixError, ImportHooks, UndoLog
 
     def original():
         return "original"
@@ -423,10 +427,10 @@ def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, reexporting.__name__, reexporting)
     fix = Fix("tests.reexport", sites=(Site(f"{defining.__name__}:f", lambda wrapped, instance, args, kwargs: "fixed",
                                             reexported_in=(reexporting.__name__,)),))
-    registry = Registry()
-    fix.patch(registry)
+    undo_log = UndoLog()
+    fix.patch(undo_log, ImportHooks(undo=undo_log.restore))
     assert defining.f() == reexporting.f() == "fixed"
-    registry.restore_all()
+    undo_log.restore()
     assert defining.f is original and reexporting.f is original
 
     def its_own():
@@ -434,8 +438,8 @@ def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
 
     reexporting.f = its_own
     with pytest.raises(FixError, match=r"pyvene_dist_reexports:f is not pyvene_dist_defines's f re-exported"):
-        fix.patch(registry)
-    registry.restore_all()
+        fix.patch(undo_log, ImportHooks(undo=undo_log.restore))
+    undo_log.restore()
     assert defining.f is original and reexporting.f is its_own
     with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of module names"):
         Site(f"{defining.__name__}:f", original, reexported_in=reexporting.__name__)
@@ -466,4 +470,54 @@ def test_unpatch_takes_off_every_import_hook_patch_installed():
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def test_a_fix_applied_apart_from_patch_changes_only_the_undo_log_it_is_handed():
+    """``Fix.patch`` records its wraps in the undo log it is given: patch()'s own objects (``_registry``'s) stay as
+    they were, and that log alone puts back the very originals."""
+    from pyvene.models.intervenable_base import IntervenableModel
+
+    import pyvene_dist
+    from pyvene_dist import _registry
+    from pyvene_dist._registry import ImportHooks, UndoLog
+    from pyvene_dist.fixes import train_mode
+
+    before = dict(vars(IntervenableModel))
+    undo_log = UndoLog()
+    train_mode.FIX.patch(undo_log, ImportHooks(undo=undo_log.restore))
+    assert sorted(site.name for site in undo_log.sites) == [
+        "pyvene.models.intervenable_base.IntervenableModel.eval", "pyvene.models.intervenable_base.IntervenableModel.train"]
+    assert vars(IntervenableModel)["train"] is not before["train"]
+    assert not _registry.UNDO_LOG.sites and not _registry.APPLIED.names and not pyvene_dist.is_patched()
+    undo_log.restore()
+    after = dict(vars(IntervenableModel))
+    assert after.keys() == before.keys() and all(after[name] is before[name] for name in before)
+
+
+def test_unpatch_empties_every_job_of_the_registry():
+    """What patch() set up, each in its own object (the undo log, the import hooks' finder, the applied fixes, the
+    options in force, the models' states), is gone after unpatch(), and a second patch() starts afresh."""
+    code = (
+        "import sys, torch, pyvene_dist\n"
+        "from pyvene_dist import _registry\n"
+        "from pyvene_dist.fixes.hooks import HookState\n"
+        "def awaiting():\n"
+        "    return [finder for finder in sys.meta_path if type(finder).__name__ == 'ImportHook']\n"
+        "pyvene_dist.patch(cuda_graphs=False)\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "_registry.MODELS.of(model, HookState)\n"
+        "assert _registry.UNDO_LOG.sites and 'orthogonal' in _registry.APPLIED and len(_registry.MODELS) == 1\n"
+        "assert _registry.OPTIONS.current.cuda_graphs is False and awaiting()  # pyreft is not imported yet\n"
+        "pyvene_dist.unpatch()\n"
+        "assert not _registry.UNDO_LOG.sites and not _registry.APPLIED.names and not _registry.APPLIED.active\n"
+        "assert _registry.OPTIONS.current is None and len(_registry.MODELS) == 0 and not awaiting()\n"
+        "pyvene_dist.patch()\n"
+        "assert _registry.OPTIONS.current.cuda_graphs is True and 'orthogonal' in _registry.APPLIED\n"
+        "assert _registry.MODELS.get(model, HookState) is None  # the state unpatch() closed is not back\n"
+        "pyvene_dist.unpatch()\n"
+        "print('ok')\n"
+    )
+    environment = {name: value for name, value in os.environ.items() if name != "PYVENE_DIST_CUDA_GRAPHS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment)
     assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr

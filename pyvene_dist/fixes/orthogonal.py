@@ -91,10 +91,11 @@ import weakref
 import torch
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
+from .._options import Option
 from .._records import Fix, Site
 from .._registry import REGISTRY
 from . import gradient_checkpointing, householder
-from ._models import is_replica
+from ..mechanisms.wrapped_models import is_replica
 
 FIX = Fix(
     __name__,
@@ -103,6 +104,8 @@ FIX = Fix(
     # (householder's backward too, where that fix is applied; it requires this one, so it cannot be `after`.)
     after=("gradient_checkpointing",),
     state="OrthogonalState",
+    # off: LoReFT's rotation stays eager on CUDA (no graphs captured)
+    options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
     on_patch="_configure",
     # ReftOrthogonal's eager path and graphs are its forward, op for op
     relies_on=("torch.nn.utils.parametrizations:_Orthogonal.forward",),

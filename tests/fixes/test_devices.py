@@ -42,5 +42,5 @@ def test_a_pyvene_with_other_signatures_is_refused_at_patch_time(monkeypatch):
     registry = Registry()
     with pytest.raises(TypeError, match=r"gather_neurons\(tensor_input, unit_locations_as_list, unit, device=None\) "
                                         r"is not the signature pyvene_dist was written for"):
-        devices.FIX.patch(registry)
+        devices.FIX.patch(registry.undo_log, registry.import_hooks)
     assert modeling_utils.gather_neurons is gather_neurons and not registry.sites  # nothing wrapped
