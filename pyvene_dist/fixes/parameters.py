@@ -18,17 +18,15 @@ Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 
 from __future__ import annotations
 
-from torch import nn
-
 from .._records import Fix, Site
+from ..mechanisms.module_methods import nn_module_method
 
+#: The wrapper of ``BaseModel.named_parameters``.
+_wrap_named_parameters = nn_module_method("named_parameters")
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel.named_parameters", "_wrap_named_parameters",
+    sites=(Site("pyvene.models.intervenable_base:BaseModel.named_parameters", _wrap_named_parameters,
                 kind="replace"),),
     upstream=("pyvene",),
 )
 
-
-def _wrap_named_parameters(wrapped, instance, args, kwargs):
-    return nn.Module.named_parameters(instance, *args, **kwargs)

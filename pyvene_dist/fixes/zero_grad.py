@@ -17,17 +17,15 @@ Checked on pyvene 0.1.8 with torch 2.13 and transformers 5.24.
 
 from __future__ import annotations
 
-from torch import nn
-
 from .._records import Fix, Site
+from ..mechanisms.module_methods import nn_module_method
 
+#: The wrapper of ``BaseModel.zero_grad``.
+_wrap_zero_grad = nn_module_method("zero_grad")
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel.zero_grad", "_wrap_zero_grad",
+    sites=(Site("pyvene.models.intervenable_base:BaseModel.zero_grad", _wrap_zero_grad,
                 kind="replace"),),
     upstream=("pyvene",),
 )
 
-
-def _wrap_zero_grad(wrapped, instance, args, kwargs):
-    return nn.Module.zero_grad(instance, *args, **kwargs)

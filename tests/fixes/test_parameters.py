@@ -64,3 +64,16 @@ def test_linked_interventions_are_yielded_once(patched):
 
 def test_parameters_match_nn_module_exactly(model):
     assert list(model.named_parameters()) == list(nn.Module.named_parameters(model))
+
+
+def test_the_shared_replacement_refuses_a_name_nn_module_does_not_define():
+    """``fixes.parameters`` and ``fixes.zero_grad`` share one mechanism, ``nn.Module``'s method by name: a name
+    that is no method of it is refused when the wrapper is made, naming the argument and what it found."""
+    from pyvene_dist.mechanisms.module_methods import nn_module_method
+
+    assert nn_module_method("zero_grad").__name__ == "_wrap_zero_grad"
+    with pytest.raises(ValueError, match=r"nn_module_method\(name='named_parameter'\): expected the name of a "
+                                         r"method nn.Module defines, such as 'zero_grad'; found none"):
+        nn_module_method("named_parameter")
+    with pytest.raises(ValueError, match=r"name=\('zero_grad',\).*found none"):
+        nn_module_method(("zero_grad",))
