@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from .._registry import APPLIED, MODELS
 from ..mechanisms.batch_split import batch_size_of, chunk_sizes, split_forward_arguments
 
 FIX = Fix(
@@ -112,7 +112,7 @@ def _wrap_replicate(wrapped, instance, args, kwargs):
 
 
 def _wrap_get_device(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.of(instance, DataParallelState)
+    state = MODELS.of(instance, DataParallelState)
     if state.replica_device is not None:
         return state.replica_device
     parameter = _first_parameter(instance.model, state.first_parameter)
@@ -146,7 +146,7 @@ def _first_parameter(model, path):
 def _make_independent(replica, original, device: torch.device) -> None:
     from pyvene.models.intervention_utils import InterventionState
 
-    state = REGISTRY.models.of(original, DataParallelState)
+    state = MODELS.of(original, DataParallelState)
     if state.hooked_module_names is None:
         module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
         state.hooked_module_names = {key: module_names[id(register.__self__)]
@@ -169,12 +169,12 @@ def _make_independent(replica, original, device: torch.device) -> None:
         "_key_getter_call_counter": dict.fromkeys(original._key_getter_call_counter, 0),
         "_key_setter_call_counter": dict.fromkeys(original._key_setter_call_counter, 0),
     })
-    REGISTRY.models.of(replica, DataParallelState).replica_device = device
+    MODELS.of(replica, DataParallelState).replica_device = device
 
 
 def _warm_householder(model, device: torch.device) -> None:
     # torch initialises householder_product's backend lazily, and not thread-safely.
-    warmed = REGISTRY.models.of(model, DataParallelState).warmed_devices
+    warmed = MODELS.of(model, DataParallelState).warmed_devices
     if device not in warmed:
         torch.linalg.householder_product(torch.eye(2, 1, device=device), torch.zeros(1, device=device))
         warmed.add(device)
@@ -185,7 +185,7 @@ def removes_only_its_hooks() -> bool:
     carries it (``hooks`` in ``pyvene.FIXES``; ``patch()`` then leaves it off)."""
     from . import carried_fixes, hooks
 
-    return hooks.FIX.name in REGISTRY.applied or hooks.FIX.name in (carried_fixes("pyvene") or ())
+    return hooks.FIX.name in APPLIED or hooks.FIX.name in (carried_fixes("pyvene") or ())
 
 
 def _arguments(args, kwargs, *names):
@@ -196,7 +196,7 @@ def _arguments(args, kwargs, *names):
 
 def _forward_signature(model) -> inspect.Signature:
     """The signature of ``model.forward``, found once and kept in the model's state."""
-    state = REGISTRY.models.of(model, DataParallelState)
+    state = MODELS.of(model, DataParallelState)
     if state.forward_signature is None:
         state.forward_signature = inspect.signature(model.forward)
     return state.forward_signature

@@ -30,7 +30,7 @@ differences). The backward is not itself differentiable (no double backward thro
 
 Only pyvene's interventions get it: ``torch.linalg.householder_product`` stays torch's for every caller.
 ``householder_product`` here is the closed-form call, and the fix has no site of its own: while it is
-applied (``REGISTRY.applied`` names it) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the
+applied (``APPLIED`` names it) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the
 parametrization that fix gives the interventions' rotations, calls it; hence it requires that fix. A
 user's own orthogonal layer in the same process keeps torch's forward and backward, double backward
 included.

@@ -19,7 +19,7 @@ rotations are otherwise torch's: eager, and under DeepSpeed's bf16 mode failing 
 **State.** The adopted rotations and their graphs are the model's runtime state
 (``OrthogonalState``) of the pyvene model that adopted them (of the rotation itself when ``adopt``
 names no model). A rotation finds that state at forward time through the registry's weak map
-``REGISTRY.models.of_part(rotation, OrthogonalState)``, not through an
+``MODELS.of_part(rotation, OrthogonalState)``, not through an
 attribute: a reference written on the module would be copied into a ``deepcopy`` or a DataParallel
 replica (which copies ``__dict__``) and, given torch's class back, left on torch's object. When the
 model is collected, and for every model at ``unpatch()``, the state's ``close`` gives its rotations
@@ -29,7 +29,7 @@ new state and swaps its class again. A copy made while patched
 (``deepcopy``, a DataParallel replica) keeps the class but has no state: it runs the fixes below eagerly
 while patched, torch's forward while unpatched. A user's own orthogonal layer keeps torch's eager path,
 double backward included. The graphs' switch is configuration, read from ``patch()``'s options
-(``REGISTRY.options.cuda_graphs``). The module keeps no state of its own (its ``_lock`` only serialises
+(``OPTIONS.current.cuda_graphs``). The module keeps no state of its own (its ``_lock`` only serialises
 captures).
 
 **Half precision.** DeepSpeed's ``bf16`` (and ``fp16``) mode casts every parameter, the rotation's raw
@@ -93,7 +93,7 @@ from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._options import Option
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from .._registry import APPLIED, MODELS, OPTIONS
 from . import gradient_checkpointing, householder
 from ..mechanisms.wrapped_models import is_replica
 
@@ -137,7 +137,7 @@ WARM_CALLS = 3
 def _configure(options) -> None:
     """Give every rotation adopted so far (while unpatched, or before an ``unpatch()``) this fix's class,
     recording it again in its model's state."""
-    for part, model in REGISTRY.models.parts():
+    for part, model in MODELS.parts():
         if type(part) in (_Orthogonal, ReftOrthogonal):
             _adopt(part, model)
 
@@ -159,18 +159,18 @@ def adopt(module: torch.nn.Module, model=None) -> None:
     back when the owner is collected and at ``unpatch()`` (a later ``patch()`` swaps it again)."""
     for submodule in module.modules():
         if type(submodule) in (_Orthogonal, ReftOrthogonal):
-            previous = REGISTRY.models.of_part(submodule, OrthogonalState)
+            previous = MODELS.of_part(submodule, OrthogonalState)
             if previous is not None:  # adopted before, maybe for another owner: recorded once
                 previous.rotations.pop(submodule, None)
                 previous.graphs.pop(submodule, None)
-            REGISTRY.models.add_part(submodule, submodule if model is None else model)
-            if FIX.name in REGISTRY.applied:
+            MODELS.add_part(submodule, submodule if model is None else model)
+            if FIX.name in APPLIED:
                 _adopt(submodule, submodule if model is None else model)
 
 
 def _adopt(rotation, model) -> None:
     """While patched: record ``rotation`` in ``model``'s state and give it this fix's class."""
-    REGISTRY.models.of(model, OrthogonalState).rotations[rotation] = _Orthogonal
+    MODELS.of(model, OrthogonalState).rotations[rotation] = _Orthogonal
     _swap(rotation, _Orthogonal, ReftOrthogonal)
 
 
@@ -179,9 +179,9 @@ class ReftOrthogonal(_Orthogonal):
     swapped in for an existing ``_Orthogonal``, never constructed."""
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        if FIX.name not in REGISTRY.applied:  # a copy made while patched, used after unpatch()
+        if FIX.name not in APPLIED:  # a copy made while patched, used after unpatch()
             return super().forward(X)
-        replayed = replayed_rotation(self, X) if REGISTRY.options.cuda_graphs else None
+        replayed = replayed_rotation(self, X) if OPTIONS.current.cuda_graphs else None
         if replayed is not None:
             return replayed
         if X.dtype in _HALF:
@@ -192,7 +192,7 @@ class ReftOrthogonal(_Orthogonal):
 def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
     """torch's ``_Orthogonal.forward``, op for op; for the Householder map the product is
     ``fixes.householder``'s (the same forward call, a closed-form backward) when that fix is applied."""
-    if householder.FIX.name not in REGISTRY.applied or orthogonal.orthogonal_map != _OrthMaps.householder:
+    if householder.FIX.name not in APPLIED or orthogonal.orthogonal_map != _OrthMaps.householder:
         return _Orthogonal.forward(orthogonal, X)
     transposed = X.size(-2) < X.size(-1)
     if transposed:
@@ -210,7 +210,7 @@ _lock = threading.Lock()
 
 def graphs_of(orthogonal) -> "_Graphs | None":
     """The graphs ``rotation`` keeps for ``orthogonal`` in its model's state, or None."""
-    state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
+    state = MODELS.of_part(orthogonal, OrthogonalState)
     return state.graphs.get(orthogonal) if state is not None else None
 
 
@@ -219,7 +219,7 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     staged = _applies(orthogonal, X)
     if staged is None:
         return None
-    state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
+    state = MODELS.of_part(orthogonal, OrthogonalState)
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
     settings, storage = _settings(orthogonal, X), (X.data_ptr(), X.stride())

@@ -290,7 +290,7 @@ def _adopt_old_signatures(trainer_class) -> None:
     Trainer's keyword is dropped for it too; ``unpatch()`` puts them back."""
     from pyreft.reft_trainer import ReftTrainer
 
-    from .._registry import REGISTRY
+    from .._registry import UNDO_LOG
 
     for owner in trainer_class.__mro__:
         if owner.__module__ == ReftTrainer.__module__ or not issubclass(owner, ReftTrainer):
@@ -298,7 +298,7 @@ def _adopt_old_signatures(trainer_class) -> None:
         function = vars(owner).get("compute_loss")
         if inspect.isfunction(function) and not _takes_any_keyword(inspect.signature(function)) \
                 and "num_items_in_batch" not in inspect.signature(function).parameters:
-            REGISTRY.wrap(owner, "compute_loss", _wrap_subclass_compute_loss)
+            UNDO_LOG.wrap(owner, "compute_loss", _wrap_subclass_compute_loss)
 
 
 def _defining_class(cls, attribute: str):

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .._registry import REGISTRY
+from .._registry import MODELS
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,7 +44,7 @@ def compute_in_own_dtype(model: nn.Module, hidden_dtype: torch.dtype) -> list[nn
     for intervention in {id(m): m for m in model.interventions.values()}.values():
         if floating_dtype(intervention) in (None, hidden_dtype):
             continue
-        state = REGISTRY.models.of(intervention, CastState)
+        state = MODELS.of(intervention, CastState)
         if state.handles:  # hooked already (by the other fix, or an earlier call)
             continue
         state.handles = (intervention.register_forward_pre_hook(_InputCast(), with_kwargs=True),
