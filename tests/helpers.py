@@ -26,8 +26,9 @@ def patch():
     if "all" in without:
         return
     without |= {new for old in without & fixes.RENAMED.keys() for new in fixes.RENAMED[old]}  # an old name
+    without |= {new for group in without & fixes.groups().keys() for new in fixes.groups()[group]}  # a group
     known = fixes.by_name()
-    unknown = without - known.keys() - fixes.RENAMED.keys()
+    unknown = without - known.keys() - fixes.RENAMED.keys() - fixes.groups().keys()
     if unknown:  # a misspelt name would exclude nothing, and every test would pass "without" it
         raise ValueError(f"PYVENE_DIST_TEST_WITHOUT names {sorted(unknown)}, which are no fixes; known: {sorted(known)}")
     pyvene_dist.patch(exclude=[name for name, fix in known.items() if fixes.required_by([fix], known) & without])

@@ -1,5 +1,9 @@
 """One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._records.Fix``).
 
+A package here is a group of fixes (``checkpoints/``): each of its modules not named ``_*`` is a fix, and the
+package's name stands for all of them wherever a fix name is taken (``patch(only=, exclude=)``, a record's
+``requires`` and ``after``, a package's ``FIXES``), without the warning an old name (``RENAMED``) gives.
+
 Everything else derives from the records: the order ``patch()`` applies them in (each after the fixes
 it ``requires``, otherwise by name; ``unpatch()`` restores in reverse), which of them upstream already
 carries, the version check, the docs tables' checks and the patch tests.
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .._records import Fix
+from .._versions import OPTIONAL
 
 #: Fix names that changed, each with the names it stands for now: ``patch(only=..., exclude=...)`` and a
 #: package's ``FIXES`` take an old name as all of its new ones (``exclude=["trainer"]`` leaves out both halves),
@@ -30,22 +35,36 @@ RENAMED = {
     "checkpointing": ("gradient_checkpointing",),  # beside the checkpoints fix, which saves and loads
     "trainer": ("pyreft_trainer", "hf_trainer"),  # one record for two targets: pyreft's trainers, HF Trainer's
 }
-#: Packages that may be missing; a missing one has nothing to fix.
-OPTIONAL_PACKAGES = frozenset({"pyreft"})
 
 
 def fixes() -> tuple[Fix, ...]:
     """Every fix, in the order ``patch()`` applies them: each after those it requires or names in ``after``,
     else by name."""
     found: dict[str, Fix] = {}
-    for module in pkgutil.iter_modules(__path__):
-        if module.name.startswith("_"):
-            continue
-        record = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FIX", None)
-        if not isinstance(record, Fix) or record.name != module.name:
-            raise TypeError(f"{__name__}.{module.name} declares no FIX = Fix(name={module.name!r}, ...)")
-        found[record.name] = record
+    for module in _fix_modules():
+        name = module.rsplit(".", 1)[-1]
+        record = getattr(importlib.import_module(module), "FIX", None)
+        if not isinstance(record, Fix) or record.name != name:
+            raise TypeError(f"{module} declares no FIX = Fix(name={name!r}, ...)")
+        if name in found or name in groups():
+            raise ValueError(f"{module}: the fix name {name!r} is taken (by {found[name].module if name in found else 'a group'})")
+        found[name] = record
     return _ordered(found)
+
+
+def groups() -> dict[str, tuple[str, ...]]:
+    """Each group of fixes (a package here) by its name, with the names of the fixes it holds."""
+    return {module.name: tuple(sorted(sub.name for sub in pkgutil.iter_modules([str(Path(__path__[0]) / module.name)])
+                                      if not sub.name.startswith("_")))
+            for module in pkgutil.iter_modules(__path__) if module.ispkg and not module.name.startswith("_")}
+
+
+def _fix_modules() -> list[str]:
+    """The modules that declare a fix: each module here not named ``_*``, and each such module of a group."""
+    grouped = groups()
+    return [f"{__name__}.{module.name}.{name}" if module.ispkg else f"{__name__}.{module.name}"
+            for module in pkgutil.iter_modules(__path__) if not module.name.startswith("_")
+            for name in (grouped[module.name] if module.ispkg else (module.name,))]
 
 
 def _ordered(found: dict[str, Fix]) -> tuple[Fix, ...]:
@@ -60,9 +79,9 @@ def _ordered(found: dict[str, Fix]) -> tuple[Fix, ...]:
         if name in placing:
             raise ValueError(f"fixes require each other in a cycle through {name!r}")
         placing.add(name)
-        for required in found[name].requires:
+        for required in sorted(_current(found[name].requires)):
             place(required, name)
-        for earlier in found[name].after:
+        for earlier in sorted(_current(found[name].after)):
             if earlier in found:
                 place(earlier, name)
         ordered.append(found[name])
@@ -84,7 +103,7 @@ def required_by(records: Iterable[Fix], known: dict[str, Fix]) -> set[str]:
         name = pending.pop()
         if name not in needed:
             needed.add(name)
-            pending.extend(known[name].requires)
+            pending.extend(_current(known[name].requires))
     return needed
 
 
@@ -118,13 +137,15 @@ def _names(argument: str, names: Iterable[str], known: dict[str, Fix]) -> set[st
     names = _current(names)
     unknown = sorted(names - set(known))
     if unknown:
-        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}; known fixes: {', '.join(known)}")
+        raise ValueError(f"{argument}: unknown fix {', '.join(map(repr, unknown))}; known fixes: {', '.join(known)}; "
+                         f"groups: {', '.join(groups())}")
     return names
 
 
 def _current(names: Iterable[str]) -> set[str]:
-    """``names`` with each old name (``RENAMED``) replaced by the names it stands for now."""
-    return {new for name in names for new in RENAMED.get(name, (name,))}
+    """``names`` with each old name (``RENAMED``) and each group's name replaced by the names it stands for now."""
+    grouped = groups()
+    return {new for name in names for new in RENAMED.get(name) or grouped.get(name) or (name,)}
 
 
 def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:
@@ -135,7 +156,7 @@ def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:
 
     def carries(package: str, name: str) -> bool:
         carried = found[package]
-        return name in carried if carried is not None else package in OPTIONAL_PACKAGES
+        return name in carried if carried is not None else package in OPTIONAL
 
     done = {r.name for r in records if r.upstream and all(carries(package, r.name) for package in r.upstream)}
     known = {record.name: record for record in records}

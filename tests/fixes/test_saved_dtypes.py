@@ -1,5 +1,5 @@
 """``ReftModel.load`` in a fresh process gives back the trained model exactly, in the dtype it was saved in
-(fixes.checkpoints: ``IntervenableModel.save`` and ``load``).
+(fixes.checkpoints.saved_dtypes: ``IntervenableModel.save`` and ``load``).
 
 pyreft 0.1.0 rebuilt LoReFT's ``learned_source`` in bfloat16 whatever it was saved in (on a float32 model
 the first forward failed: ``mat1 and mat2 must have the same dtype, but got Float and BFloat16``), and

@@ -1,8 +1,8 @@
 """Interventions saved in half precision reload on the CPU, exactly, and every save writes CPU tensors
-(fixes.checkpoints).
+(fixes.checkpoints.saved_dtypes; the compact rotation's own load is test_loreft_load's).
 
 DeepSpeed's bf16 mode casts the interventions' parameters to bf16 (``fixes.deepspeed``), LoReFT's rotation included,
-and ``ReftModel.load`` of such a folder on the CPU failed in the ``checkpoints`` fix's LoReFT ``load_state_dict``:
+and ``ReftModel.load`` of such a folder on the CPU failed in the LoReFT ``load_state_dict`` of the ``loreft_load`` fix:
 ``rotate_layer.weight = rotation`` runs the orthogonal map's ``right_inverse``, a QR decomposition, and
 ``NotImplementedError: "geqrf_cpu" not implemented for 'BFloat16'``.
 """
@@ -60,21 +60,6 @@ def test_bf16_interventions_reload_exactly_on_the_cpu(patched, tmp_path, interve
     for key, rotation in expected.items():
         torch.testing.assert_close(found[key], rotation, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
     torch.testing.assert_close(answer(loaded), answer(trained), rtol=0, atol=0)
-
-
-def test_a_compact_bf16_rotation_loads_into_the_existing_parameter(patched):
-    """``load_state_dict`` with pyreft's compact form (what ``load_intervention`` of a stock folder does): the
-    bf16 rotation becomes the weight exactly, written into the same ``Parameter`` in its own dtype."""
-    source = as_deepspeed_bf16_leaves_it(models.reft_model(models.tiny_llama(), rank=2))
-    target = models.reft_model(models.tiny_llama(), rank=2, seed=3)
-    for key, intervention in target.interventions.items():
-        original = intervention.rotate_layer.parametrizations.weight.original
-        state = source.interventions[key].state_dict()
-        assert state["rotate_layer"].dtype == torch.bfloat16
-        intervention.load_state_dict(state)
-        assert intervention.rotate_layer.parametrizations.weight.original is original
-        assert original.dtype == torch.float32  # the parameter's dtype, whatever the saved one
-        torch.testing.assert_close(intervention.rotate_layer.weight, state["rotate_layer"].float(), rtol=0, atol=0)
 
 
 class Elsewhere(torch.Tensor):
