@@ -18,7 +18,7 @@ compiling it (``torch._dynamo.utils.counters``: the count and the reasons) and t
 and after the timed steps (a growth means recompiles while timing). ``TORCH_LOGS=graph_breaks`` prints each
 break with its source line. ``--parity FILE`` first trains an eager and a compiled copy of the same ReFT
 model for ``--parity-steps`` steps on the same batch and saves their losses and intervention gradients
-(``tests/docs/test_benchmarks.py`` compares them). ``--profile FILE``: top operators of each step by host and
+(``tests/benchmarks/test_benchmarks.py`` compares them). ``--profile FILE``: top operators of each step by host and
 device time. On CPU the backend is ``aot_eager`` (inductor's C++ compile of the backward takes minutes
 there); on a GPU ``inductor``. Inside compiled frames dynamo traces pyvene's own code, not pyvene_dist's
 ``wrapt`` wraps (docs/benchmarks.md says what that means), except ``fixes.fast_path``'s entries, which are

@@ -52,16 +52,16 @@ CI = RunBy("scripts/setup.sh", note="CI runs `bash scripts/setup.sh && .venv/bin
 LAUNCHERS = "tests/strategies/test_launchers.py::test_torchrun_pyreft_trainer_matches_one_process"
 ACCELERATE_LAUNCH = "tests/strategies/test_accelerate.py::test_accelerate_launch_with_the_documented_config"
 #: The full check runs every strategy, each as `--strategies <name>` alone would (the test asserts every row).
-DEFAULT_CHECK = RunBy("tests/docs/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
+DEFAULT_CHECK = RunBy("tests/cli/test_check.py::test_the_readme_command_passes_here_within_ten_minutes",
                       ("set(rows) == set(check.CHECKED)",))
-GPU_CHECK = RunBy("tests/docs/test_check.py::test_every_strategy_agrees_on_gpus",
+GPU_CHECK = RunBy("tests/cli/test_check.py::test_every_strategy_agrees_on_gpus",
                   ('{name: "agrees" for name in check.CHECKED}',), gpus=2)
 UPSTREAM_SERIES = "tests/upstream/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
 #: benchmarks/mixed_refts.py's smoke mode, run in process by the serving tests.
 MIXED_REFTS = "tests/test_serving.py::test_the_benchmark_smoke_writes_every_provider"
 MATRIX_NOTE = ("the version matrix, run by hand (a venv per column: minutes and GBs each); its rows are in "
-               "benchmarks/results/version-matrix.jsonl and tests/docs/test_version_matrix.py tests its parts")
+               "benchmarks/results/version-matrix.jsonl and tests/packaging/test_version_matrix.py tests its parts")
 
 #: Commands this file runs, with the exit code they must give.
 RUN_HERE: dict[str, int] = {
@@ -112,7 +112,7 @@ RUN_BY: dict[str, RunBy] = {
     "--learning_rate 4e-3": README_EXAMPLE,
     '.venv/bin/python docs/examples/serve_reft.py --interventions out/run/reft --prompt "What colour is snow?"':
         README_EXAMPLE,
-    "pyvene-dist fixes": RunBy("tests/docs/test_cli.py::test_fixes_lists_every_fix_applied_here_with_its_ranges",
+    "pyvene-dist fixes": RunBy("tests/cli/test_cli.py::test_fixes_lists_every_fix_applied_here_with_its_ranges",
                                ('run(capsys, "fixes")',)),
     **{command: RunBy("tests/workloads/test_example_scripts.py::test_alpaca_train_under_torchrun_matches_one_process",
                       evidence) for command, evidence in (
@@ -121,25 +121,26 @@ RUN_BY: dict[str, RunBy] = {
     "bash scripts/setup.sh": CI,
     ".venv/bin/python -m pytest": CI,
     "pip install torch": RunBy("scripts/setup.sh", ("pip install", "torch==")),
-    'pip install -e ".[reft,accelerate]"': RunBy("tests/docs/test_packaging.py::test_the_wheel_installs_with_each_extra_"
-                                                 "and_lists_the_fixes", ('"reft"', '"accelerate"', 'f"{wheel}[{extra}]"'),
-                                                 note="the wheel, with each extra; setup.sh installs the test extra"),
+    'pip install -e ".[reft,accelerate]"':
+        RunBy("tests/packaging/test_packaging.py::test_the_wheel_installs_with_each_extra_and_lists_the_fixes",
+              ('"reft"', '"accelerate"', 'f"{wheel}[{extra}]"'),
+              note="the wheel, with each extra; setup.sh installs the test extra"),
     "pip install --no-deps pyreft==0.1.0": RunBy("scripts/setup.sh", ("pip install --no-deps pyreft==0.1.0",)),
     ".venv/bin/pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist check": dataclasses.replace(DEFAULT_CHECK, evidence=('"pyvene-dist"', '"check"')),
     "pyvene-dist plan --model path/to/model --gpus 8 --nodes 2 --batch 8 --seq-len 1024":
-        RunBy("tests/docs/test_plan.py::test_the_command_prints_every_strategy_and_whether_it_fits",
+        RunBy("tests/cli/test_plan.py::test_the_command_prints_every_strategy_and_whether_it_fits",
               ('"--model", str(config_folder)', '"--gpus"', '"--batch"', '"--seq-len"')),
     "pyvene-dist plan --model llama-1b --gpus 2 --batch 8 --seq-len 512 --layers 2,8":
-        RunBy("tests/docs/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
+        RunBy("tests/cli/test_plan.py::test_the_documented_table_is_what_plan_prints", ('"plan.md"',)),
     "pyvene-dist plan --model path/to/Llama-2-70b-hf --gpus 2 --quantize 4bit --gpu-memory 24 --batch 1 --seq-len 512":
-        RunBy("tests/docs/test_plan_quantized.py::test_a_4bit_70b_fits_two_24_gb_gpus_with_fsdp2_and_offload",
+        RunBy("tests/cli/test_plan_quantized.py::test_a_4bit_70b_fits_two_24_gb_gpus_with_fsdp2_and_offload",
               ('"--model", str(config)', '"--quantize", "4bit"', '"--gpu-memory", "24"', '"--seq-len", "512"')),
     "pyvene-dist check --quantize 4bit":
         RunBy("tests/strategies/test_quantized.py::test_check_quantize_4bit_agrees_here", ('"--quantize", "4bit"',),
               note="with --strategies fsdp2 --steps 2 (CI's time); docs/quantized.md shows a whole run"),
     "pyvene-dist check --model path/to/model --strategies ddp":
-        RunBy("tests/docs/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
+        RunBy("tests/cli/test_check.py::test_a_local_model_directory_is_checked_with_layers_that_fit_it",
               ('"--model", str(tmp_path)', '"--strategies"')),
     "pyvene-dist check --strategies ddp,ddp+checkpointing": DEFAULT_CHECK,
     "pyvene-dist check --strategies fsdp2,fsdp2+checkpointing,fsdp1,fsdp1+checkpointing": DEFAULT_CHECK,
@@ -177,25 +178,26 @@ RUN_BY: dict[str, RunBy] = {
     ".venv/bin/python -m pytest tests/upstream/test_upstream_patches.py": RunBy("tests/upstream/test_upstream_patches.py", note="CI's "
                                                                        "pytest run includes this file"),
     "python benchmarks/scaling.py --strategies ddp,fsdp2,zero2,zero3 --world-sizes 1,2 --model llama-1b":
-        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles",
+        RunBy("tests/benchmarks/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles",
               ('"--strategies", "ddp,fsdp2,zero3"',), note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --strategies ddp,zero2,zero3,zero3-offload --world-sizes 2 --model llama-1b "
     "--checkpointing non-reentrant --zero '{\"stage3_max_live_parameters\": 3e7, \"stage3_max_reuse_distance\": 0, "
     "\"stage3_prefetch_bucket_size\": 3e7, \"reduce_bucket_size\": 5e6}'":
-        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_takes_deepspeed_memory_settings",
+        RunBy("tests/benchmarks/test_benchmarks.py::test_scaling_smoke_takes_deepspeed_memory_settings",
               ('"--zero"', "stage3_max_live_parameters"), note=BENCHMARK_NOTE),
-    "python benchmarks/overhead.py": RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider",
-                                           note=BENCHMARK_NOTE),
+    "python benchmarks/overhead.py":
+        RunBy("tests/benchmarks/test_benchmarks.py::test_overhead_smoke_writes_every_provider", note=BENCHMARK_NOTE),
     "python benchmarks/scaling.py --smoke":
-        RunBy("tests/docs/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
+        RunBy("tests/benchmarks/test_benchmarks.py::test_scaling_smoke_writes_rows_and_profiles", ('"--smoke"',)),
     **{command: RunBy("scripts/version_matrix.py", evidence, note=MATRIX_NOTE) for command, evidence in (
         (".ci/matrix", ('default="oldest,newest,pyreft-main"',)),
         (".ci/matrix --columns newest --reuse", ('"--reuse"',)),
         (".ci/matrix --columns pinned", ('Column("pinned"',)))},
-    ".ci/matrix --table": RunBy("tests/docs/test_version_matrix.py::test_the_testing_page_shows_what_the_table_option_"
-                                "prints", ('".ci" / "matrix"), "--table"',)),
+    ".ci/matrix --table":
+        RunBy("tests/packaging/test_version_matrix.py::test_the_testing_page_shows_what_the_table_option_prints",
+              ('".ci" / "matrix"), "--table"',)),
     "python benchmarks/overhead.py --smoke":
-        RunBy("tests/docs/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
+        RunBy("tests/benchmarks/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
     "python docs/examples/serve_many.py --reft poet=out/poet/reft --reft coder=out/coder/reft --port 8000":
         RunBy("tests/test_serving.py::test_server_answers_each_model_as_alone", ('"--reft"', '"--port", "0"'),
               note="started on a free port of the loopback with the test's three ReFT folders"),
@@ -652,7 +654,7 @@ RAY_BY_HAND = "timed by hand once (Ray 2.60, 2026-12-03, the page says so); no r
 FIGURE_SOURCES: dict[tuple[str, str], str] = {
     ("docs/plan.md", "| measured (2 x H200 unless noted) |"):
         "plan's estimates beside the peaks of the rows in benchmarks/results/archive/, arithmetic on them; "
-        "tests/docs/test_plan.py compares every row",
+        "tests/cli/test_plan.py compares every row",
     ("docs/strategies/deepspeed.md", "A frozen base model has no gradients"): "the size of DeepSpeed's default "
         "bucket, 5e8 fp32 elements: a setting",
     ("docs/strategies/deepspeed.md", "What ZeRO-3 keeps beyond its half"): "the sizes of one matrix, vocabulary x "

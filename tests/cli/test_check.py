@@ -298,7 +298,7 @@ def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message):
 
 @pytest.mark.gpus(2)
 def test_every_strategy_agrees_on_gpus():
-    """The 2-GPU table: `pytest tests/docs/test_check.py -k gpus -s` prints it."""
+    """The 2-GPU table: `pytest tests/cli/test_check.py -k gpus -s` prints it."""
     result = cli("--json")
     assert result.stdout.strip(), f"exit code {result.returncode}, no rows:\n{result.stderr[-5000:]}"
     rows = [check.Row(**row) for row in json.loads(result.stdout)]
