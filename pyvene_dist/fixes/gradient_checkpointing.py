@@ -46,16 +46,16 @@ Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import weakref
 
 import torch
 
-from . import hooks
-
 from .._records import Fix, Site
 from .._registry import REGISTRY
+from ..mechanisms.checkpoint_functions import APPLYING, checkpoint_functions
+from ..mechanisms.copy_on_write import writing_to_copies
+from ..mechanisms.hook_handles import Kept, keeping, setters_kept_alive
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
@@ -81,35 +81,20 @@ class CheckpointingState:
         pending, self.pending = list(self.pending), weakref.WeakSet()
         for forward in pending:
             forward.remove()
-#: The forward whose interventions apply now in this thread: the one running, or the one whose
-#: checkpointed layer backward is recomputing. None outside both, where every kept hook is inert.
-_applying: contextvars.ContextVar[Forward | None] = contextvars.ContextVar("pyvene_dist_applying", default=None)
-
-
-def in_checkpointed_forward() -> bool:
-    """Whether a checkpointing model's training forward, or a recomputation of one, is running here.
-
-    What runs inside must save the same tensors both times; ``orthogonal`` stays eager there, since a
-    rotation captured between the forward and its recomputation would save fewer (torch's
-    ``CheckpointError``: "A different number of tensors was saved", seen on an H200).
-    """
-    return _applying.get() is not None
-
-
 class Forward:
     """One training forward of a checkpointing model: its intervening hooks (``kept``), kept for the
     recomputation of its checkpointed layers and acting only in that forward and those recomputations."""
 
     def __init__(self, model):
         self.model = model  # the IntervenableModel (a DataParallel replica is a model of its own)
-        self.kept: hooks.Kept | None = None  # set as the forward starts
+        self.kept: Kept | None = None  # set as the forward starts
         self.finished = False  # the forward has returned: a call of its hooks now is a recomputation
 
     def wrap(self, hook):
         hook = on_a_copy_of_the_input(hook)
 
         def applied_in_its_own_forward_only(module, args, kwargs, *output):
-            if _applying.get() is not self:
+            if APPLYING.get() is not self:
                 return None  # another forward, a base-model call, or no forward at all: leave the module be
             if not self.finished:
                 return hook(module, args, kwargs, *output)
@@ -144,13 +129,13 @@ def _wrap_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     forward = Forward(instance)
     lease = _Lease(forward)
-    applying = _applying.set(forward)
+    applying = APPLYING.set(forward)
     try:
-        with hooks.setters_kept_alive(instance, wrap_hook=forward.wrap) as forward.kept, \
+        with setters_kept_alive(instance, wrap_hook=forward.wrap) as forward.kept, \
                 _replaying_in(functions, lease):
             output = wrapped(*args, **kwargs)
     finally:
-        _applying.reset(applying)
+        APPLYING.reset(applying)
     forward.finished = True
     # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
     # recompute this forward any more (at once if no checkpoint kept a replay), or at unpatch().
@@ -184,13 +169,13 @@ def _checkpointing_with(checkpoint, lease: _Lease):
 
 def _replay(lease: _Lease, function, *args, **kwargs):
     forward = lease.forward
-    if _applying.get() is forward:  # the forward itself
+    if APPLYING.get() is forward:  # the forward itself
         return function(*args, **kwargs)
-    applying = _applying.set(forward)
+    applying = APPLYING.set(forward)
     try:
         return function(*args, **kwargs)
     finally:
-        _applying.reset(applying)
+        APPLYING.reset(applying)
 
 
 def on_a_copy_of_the_input(callback):
@@ -203,57 +188,15 @@ def on_a_copy_of_the_input(callback):
     operation``), or a detached leaf (reentrant: ``a leaf Variable that requires grad is being used in
     an in-place operation``). A copy changes neither outputs nor gradients; the tensor the caller passed
     in is left as it was. Forward hooks (output components) are called unchanged."""
-    return hooks.writing_to_copies(callback, inputs=_always)
+    return writing_to_copies(callback, inputs=_always)
 
 
 def _always(tensor: torch.Tensor) -> bool:
     return True
 
 
-def checkpoint_functions(model) -> list[tuple[object, str]]:
-    """Where the layers of ``model`` that recompute their forward during backward keep their checkpoint
-    function: ``(module, "_gradient_checkpointing_func")`` for a transformers module with
-    ``gradient_checkpointing`` set, ``(module, "checkpoint_fn")`` for torch's ``CheckpointWrapper``.
-
-    A module flagged as checkpointing that keeps no such function (transformers' checkpointing format
-    before 4.35, which calls ``torch.utils.checkpoint`` itself) raises: its recomputation could not be
-    told apart from another forward's.
-
-    It runs at every training forward, over every module: an explicit stack over ``_modules`` and the
-    instance's own ``__dict__`` cost a fifth of ``model.modules()`` (a generator per level of nesting)
-    with ``getattr`` (``nn.Module.__getattr__``'s search for each module lacking the attribute)."""
-    found = []
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if module is None:  # a child slot registered empty
-            continue
-        own = module.__dict__
-        flag = own.get("gradient_checkpointing", _UNSET)
-        if flag is _UNSET:
-            flag = getattr(type(module), "gradient_checkpointing", False)
-        if type(module).__name__ == "CheckpointWrapper" and "checkpoint_fn" in own:
-            found.append((module, "checkpoint_fn"))
-        elif flag is True:
-            if "_gradient_checkpointing_func" not in own:
-                raise RuntimeError(
-                    f"pyvene_dist: a {type(module).__name__} has gradient_checkpointing on but no "
-                    "_gradient_checkpointing_func (transformers' format before 4.35, which calls "
-                    "torch.utils.checkpoint itself): backward's recomputation of its layers cannot be matched "
-                    "to the pyvene forward that ran them, so interventions would be silently wrong. Enable "
-                    "checkpointing with gradient_checkpointing_enable() of a current transformers, wrap the "
-                    "layers with torch's checkpoint_wrapper, or turn checkpointing off."
-                )
-            found.append((module, "_gradient_checkpointing_func"))
-        stack.extend(module._modules.values())
-    return found
-
-
-_UNSET = object()
-
-
 def _wrap_output_validation(wrapped, instance, args, kwargs):
-    kept = hooks.keeping(instance)
+    kept = keeping(instance)
     if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
         kept.activations = dict(instance.activations)
     return wrapped(*args, **kwargs)

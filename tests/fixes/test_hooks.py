@@ -90,7 +90,7 @@ def test_sdpa_forward_is_stock_pyvene_bit_for_bit():
 
 
 def test_a_copy_only_where_autograd_saved_the_tensor():
-    from pyvene_dist.fixes.hooks import aliases_saved
+    from pyvene_dist.mechanisms.copy_on_write import aliases_saved
 
     query = torch.randn(2, 8, 4, 8, requires_grad=True).transpose(1, 2)  # [batch, heads, positions, size]
     attended = torch.nn.functional.scaled_dot_product_attention(query, query, query)
@@ -156,7 +156,7 @@ def test_a_view_made_inside_a_custom_function_is_written_as_a_copy():
 
 
 def test_views_autograd_refuses_writes_to_are_copied():
-    from pyvene_dist.fixes.hooks import forbids_writes, must_copy
+    from pyvene_dist.mechanisms.copy_on_write import forbids_writes, must_copy
 
     x = torch.randn(2, 3, 4, requires_grad=True)
     made_inside = _ViewAttention.apply(x[None], x[None], x[None])
@@ -184,7 +184,7 @@ def test_a_custom_functions_saved_output_is_seen():
     """A custom autograd.Function keeps what it saved in ``saved_tensors``, not in ``_saved_*``: flex
     attention's compiled function saved its output, and a second intervened layer wrote into it in place on
     the H200 ('modified by an inplace operation ... output 0 of CompiledFunctionBackward')."""
-    from pyvene_dist.fixes.hooks import aliases_saved
+    from pyvene_dist.mechanisms.copy_on_write import aliases_saved
 
     x = torch.randn(3, 4, requires_grad=True)
     assert aliases_saved(_SavesItsOutput.apply(x, True))
@@ -207,7 +207,7 @@ def test_a_dtensor_is_checked_through_its_local_shard():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from pyvene_dist.fixes.hooks import aliases_saved
+    from pyvene_dist.mechanisms.copy_on_write import aliases_saved
 
     mesh = init_device_mesh("cpu", (1,))
     weight = distribute_tensor(torch.randn(4, 4, requires_grad=True), mesh, [Shard(0)])
