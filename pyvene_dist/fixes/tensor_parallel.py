@@ -39,14 +39,13 @@ forward, and kept in its state (``_is_tensor_parallel``). Checked on pyvene 0.1.
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from ..mechanisms.dtensors import TensorParallelState, is_tensor_parallel
 
 _INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
 FIX = Fix(
@@ -55,18 +54,8 @@ FIX = Fix(
         Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", "_wrap_wait_for_forward"),
         Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", "_wrap_wait_for_forward"),
     ),
-    state="TensorParallelState",
+    state=TensorParallelState,
 )
-
-
-class TensorParallelState:
-    """Whether the model's base model holds DTensor parameters (None: not looked yet)."""
-
-    def __init__(self) -> None:
-        self.dtensor_parameters: bool | None = None
-
-    def close(self) -> None:
-        self.dtensor_parameters = None
 
 
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
@@ -83,35 +72,6 @@ def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         instance.intervention_hooks = registrars
-
-
-def is_tensor_parallel(intervenable) -> bool:
-    """Whether ``intervenable``'s base model holds DTensor parameters, as found at its first forward and kept
-    in its state (``TensorParallelState``): the walk over every parameter is not repeated per
-    forward. This relies on the base model being parallelized (``from_pretrained(tp_plan=...)``,
-    ``parallelize_module``) before its first intervened forward, as the strategies' docs have it; FSDP2's
-    ``fully_shard`` of the pyvene model, which may follow a forward, forgets the fact (``fixes.fsdp``)."""
-    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor
-        return False
-    state = REGISTRY.models.of(intervenable, TensorParallelState)
-    if state.dtensor_parameters is None:
-        state.dtensor_parameters = has_dtensor_parameters(intervenable.model)
-    return state.dtensor_parameters
-
-
-def forget_dtensor_parameters(intervenable) -> None:
-    """Look again at the next forward (``fully_shard`` made the parameters DTensors)."""
-    state = REGISTRY.models.get(intervenable, TensorParallelState)
-    if state is not None:
-        state.dtensor_parameters = None
-
-
-def has_dtensor_parameters(model: nn.Module) -> bool:
-    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 class _TensorParallelRegistrar:

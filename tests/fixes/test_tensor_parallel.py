@@ -247,10 +247,10 @@ def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch
     sharded = _forward(model, first)[1].logits
     _forward(model, second)
     assert walked == [model.model, model.model]
-    from pyvene_dist._registry import REGISTRY
+    from pyvene_dist._registry import MODELS
     from pyvene_dist.mechanisms.dtensors import TensorParallelState
 
-    assert REGISTRY.models.get(model, TensorParallelState).dtensor_parameters is True
+    assert MODELS.get(model, TensorParallelState).dtensor_parameters is True
     torch.testing.assert_close(sharded, unsharded, rtol=0, atol=0)
 
 
