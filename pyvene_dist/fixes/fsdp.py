@@ -49,10 +49,10 @@ from torch import nn
 from .._records import Fix, Site
 from .._registry import REGISTRY
 from ..quantized import refuse_unshardable
-from . import consistency
+from ..mechanisms.dtensors import forget_dtensor_parameters
 from ..mechanisms.own_dtype import compute_in_own_dtype
+from ..mechanisms.same_interventions import check_same_interventions
 from ..mechanisms.wrapped_models import intervenable_models
-from .tensor_parallel import forget_dtensor_parameters
 
 FIX = Fix(
     __name__,
@@ -95,8 +95,8 @@ def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def _check_same_interventions(module, group) -> None:
     """``consistency``'s check as FSDP wraps ``module``, where that fix is applied (``exclude=["consistency"]``
     leaves it out under FSDP as under DDP)."""
-    if consistency.FIX.name in REGISTRY.applied:
-        consistency.check_same_interventions(module, group)
+    if "consistency" in REGISTRY.applied:
+        check_same_interventions(module, group)
 
 
 def _wrap_fully_shard(wrapped, instance, args, kwargs):
