@@ -24,6 +24,7 @@ Checked with deepspeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 from __future__ import annotations
 
 from .._records import Fix, Site
+from ..mechanisms.partitioned_dtype import take_partitioned_dtype
 
 FIX = Fix(
     __name__,
@@ -72,18 +73,3 @@ def _wrap_print_trainable_parameters(wrapped, instance, args, kwargs):
 def _wrap_model_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     take_partitioned_dtype(instance)
-
-
-def take_partitioned_dtype(model) -> None:
-    """Where ZeRO-3 partitioned the base model in bf16 or fp16 (``zero.Init``), give every intervention
-    parameter that dtype, as DeepSpeed needs (also after ``load`` restored the saved dtypes)."""
-    base = getattr(model, "model", None)
-    partitioned = {p.dtype for p in base.parameters() if hasattr(p, "ds_id")} if base is not None else set()
-    if len(partitioned) != 1 or not next(iter(partitioned)).is_floating_point \
-            or next(iter(partitioned)).itemsize >= 4:
-        return
-    dtype = next(iter(partitioned))
-    for key, intervention in model.interventions.items():
-        for parameter in intervention.parameters():
-            if parameter.is_floating_point() and parameter.dtype != dtype and not hasattr(parameter, "ds_id"):
-                parameter.data = parameter.data.to(dtype)
