@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from .._records import Fix, Site
+from ..mechanisms.indices import as_index
 
 _UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
 FIX = Fix(
@@ -48,19 +49,6 @@ def _check_signatures(options) -> None:
     for module in (modeling_utils, intervenable_base):
         for name, arguments in (("gather_neurons", _gather_arguments), ("scatter_neurons", _scatter_arguments)):
             _check_signature(getattr(module, name), arguments)
-
-
-def as_index(locations, device: torch.device) -> torch.Tensor:
-    """``locations`` (nested lists of ints, or a tensor) as an int64 tensor on ``device``; a tensor
-    already there is returned as it is, one elsewhere is copied without blocking the host."""
-    if isinstance(locations, torch.Tensor):
-        if locations.dtype != torch.long:
-            locations = locations.long()
-        return locations.to(device, non_blocking=True)
-    index = torch.tensor(locations, dtype=torch.long)
-    if device.type == "cuda":
-        index = index.pin_memory()  # a copy from pinned memory is queued, not waited for
-    return index.to(device, non_blocking=True)
 
 
 def _wrap_gather_neurons(wrapped, instance, args, kwargs):
