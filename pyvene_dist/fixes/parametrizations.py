@@ -28,10 +28,8 @@ Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 from .._records import Fix, Site
+from ..mechanisms.parametrization_cache import cached_parametrizations
 from ..mechanisms.wrapped_models import is_replica
 
 FIX = Fix(
@@ -44,28 +42,9 @@ FIX = Fix(
 )
 
 
-_lock = threading.Lock()
-
-
 def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
     intervention = args[2] if len(args) > 2 else kwargs.get("intervention")
     if is_replica(intervention):
         return wrapped(*args, **kwargs)
     with cached_parametrizations():
         return wrapped(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cached_parametrizations():
-    """``torch.nn.utils.parametrize.cached()``, entered and left under the lock (``fixes.fast_path`` enters
-    it once around a whole forward)."""
-    from torch.nn.utils import parametrize
-
-    context = parametrize.cached()
-    with _lock:
-        context.__enter__()
-    try:
-        yield
-    finally:
-        with _lock:
-            context.__exit__(None, None, None)
