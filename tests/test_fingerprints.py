@@ -112,17 +112,17 @@ def test_a_changed_pyreft_is_refused_at_patch_without_importing_it(tmp_path):
         else:
             raise SystemExit("patch() accepted a changed save_model")
         assert "pyreft" not in sys.modules, "patch() imported pyreft"
-        assert "the fix 'checkpoints' depends on {SAVE_MODEL}, whose source here has the fingerprint " in message
+        assert "the fix 'trainer_saves' depends on {SAVE_MODEL}, whose source here has the fingerprint " in message
         assert "and knows {SAVE_MODEL_FORMS}" in message, message
-        assert "exclude=['checkpoints']" in message and not pyvene_dist.is_patched()
-        with pyvene_dist.patched(exclude=["checkpoints"]):
+        assert "exclude=['trainer_saves']" in message and not pyvene_dist.is_patched()
+        with pyvene_dist.patched(exclude=["checkpoints"]):  # the group: trainer_saves with the others
             import pyreft.reft_trainer
             assert pyreft.__file__.startswith({str(tmp_path)!r}) and pyvene_dist.is_patched()
             assert not hasattr(vars(pyreft.reft_trainer.ReftTrainer)["save_model"], "__wrapped__")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pyvene_dist.patch(allow_unsupported=True)
-        assert any("patching anyway: the fix 'checkpoints'" in str(w.message) for w in caught)
+        assert any("patching anyway: the fix 'trainer_saves'" in str(w.message) for w in caught)
         assert hasattr(vars(pyreft.reft_trainer.ReftTrainer)["save_model"], "__wrapped__")
         print("ok")
     """, tmp_path)
