@@ -1,6 +1,6 @@
 """A tiny Llama and a trained BPE tokenizer saved in a folder and loaded with ``Auto*`` as users do, and
 LoReFT and ``TrainingArguments`` as pyreft's examples write them: shared by pyreft's flows
-(upstream/test_pyreft_flows.py) and the trainer's loss tests (fixes/test_pyreft_trainer_loss_normalisation.py)."""
+(upstream/test_pyreft_flows.py) and the trainer's loss tests (fixes/test_reft_compute_loss_batch_mean.py)."""
 
 import torch
 

@@ -144,8 +144,9 @@ def _names(argument: str, names: Iterable[str], known: dict[str, Fix]) -> set[st
 
 def _current(names: Iterable[str]) -> set[str]:
     """``names`` with each old name (``RENAMED``) and each group's name replaced by the names it stands for now."""
-    grouped = groups()
-    return {new for name in names for new in RENAMED.get(name) or grouped.get(name) or (name,)}
+    grouped, names = groups(), set(names)
+    found = {new for name in names for new in RENAMED.get(name) or grouped.get(name) or (name,)}
+    return found if found == names else _current(found)  # an old name may stand for a group ("trainer")
 
 
 def upstreamed(records: Iterable[Fix] | None = None) -> frozenset[str]:

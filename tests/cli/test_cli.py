@@ -60,8 +60,8 @@ def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
     assert all(row["applied"] and not row["reason"] for row in rows.values())  # CI's releases are the checked ones
     assert rows["hooks"]["checked"] == {"pyvene": ["0.1.8"]} and rows["hooks"]["installed"] == {"pyvene": "0.1.8"}
     assert rows["hooks"]["fingerprint"] == "unchanged" and rows["hooks"]["changed"] == []
-    assert rows["pyreft_trainer"]["checked"]["pyreft"] == ["0.1.0", "0.1.0+git.dafd099"]  # its git main's forms too
-    assert rows["pyreft_trainer"]["fixes"] == "pyreft's trainers work with HF Trainer as it is today, under torchrun too."
+    assert rows["reft_compute_loss"]["checked"]["pyreft"] == ["0.1.0", "0.1.0+git.dafd099"]  # its git main's forms too
+    assert rows["reft_compute_loss"]["fixes"] == "pyreft's `compute_loss` answers HF Trainer's calls as HF Trainer makes and reads them."
     code, out, _ = run(capsys, "fixes")
     assert code == 0 and out.splitlines()[-1] == f"{len(rows)} of {len(rows)} fixes applied here by pyvene_dist.patch()"
     assert "hooks: applied; checked on pyvene 0.1.8; fingerprint unchanged" in out.splitlines()

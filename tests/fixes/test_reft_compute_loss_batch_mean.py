@@ -1,4 +1,4 @@
-"""pyreft's trainers average the loss over the whole batch, as HF Trainer does for models that take
+"""``reft_compute_loss``: pyreft's trainers average the loss over the whole batch, as HF Trainer does for models that take
 ``num_items_in_batch``: under DDP and with gradient accumulation, on examples with different numbers of
 label tokens, every step's loss, gradients and the weights equal one process training on the whole batch.
 
