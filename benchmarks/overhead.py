@@ -129,17 +129,15 @@ def main(argv=None) -> int:
 
 
 def _without_rotation_graphs(step):
-    import dataclasses
-
-    from pyvene_dist._registry import REGISTRY
+    from pyvene_dist._registry import OPTIONS
 
     def eager_step():
-        options = REGISTRY.options
-        REGISTRY.options = dataclasses.replace(options, cuda_graphs=False)
+        options = OPTIONS.current
+        OPTIONS.current = options.replace(cuda_graphs=False)
         try:
             step()
         finally:
-            REGISTRY.options = options  # as patch() set it (PYVENE_DIST_CUDA_GRAPHS=0 leaves it off)
+            OPTIONS.current = options  # as patch() set it (PYVENE_DIST_CUDA_GRAPHS=0 leaves it off)
 
     return eager_step
 

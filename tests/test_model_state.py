@@ -12,7 +12,7 @@ import torch
 import helpers
 import pyvene_dist
 from pyvene_dist import fixes
-from pyvene_dist._registry import REGISTRY
+from pyvene_dist._registry import MODELS
 from pyvene_dist._state import ATTRIBUTE
 from pyvene_dist.fixes.data_parallel import DataParallelState
 from pyvene_dist.fixes.hooks import HookState
@@ -35,7 +35,7 @@ def _handles_during_forward(model) -> list:
     """How many hook handles the model's state holds while its base model runs, forward after forward."""
     seen = []
     model.model.lm_head.register_forward_hook(
-        lambda module, args, output: seen.append(len(REGISTRY.models.get(model, HookState).handles))
+        lambda module, args, output: seen.append(len(MODELS.get(model, HookState).handles))
     )
     model(_inputs(), unit_locations=LOCATIONS)
     return seen
@@ -50,12 +50,12 @@ def general_path(monkeypatch):
 def test_the_state_is_found_from_the_model(general_path, patched):
     """pyvene's hook handles are in the model's own state while it runs, and gone from it after."""
     stranger = torch.nn.Linear(2, 2)
-    assert REGISTRY.models.get(stranger, HookState) is None and ATTRIBUTE not in vars(stranger)  # reading makes none
+    assert MODELS.get(stranger, HookState) is None and ATTRIBUTE not in vars(stranger)  # reading makes none
     model = reft_model(tiny_llama())
-    assert REGISTRY.models.get(model, HookState) is None  # made at first use
+    assert MODELS.get(model, HookState) is None  # made at first use
     assert _handles_during_forward(model) == [2]  # one setter per intervention (layers 0 and 1)
-    assert REGISTRY.models.get(model, HookState) is REGISTRY.models.of(model, HookState)
-    assert REGISTRY.models.get(model, HookState).handles == []
+    assert MODELS.get(model, HookState) is MODELS.of(model, HookState)
+    assert MODELS.get(model, HookState).handles == []
 
 
 def test_two_models_have_separate_states(general_path, patched):
@@ -67,11 +67,11 @@ def test_two_models_have_separate_states(general_path, patched):
     )
     seen = []
     first.model.lm_head.register_forward_hook(
-        lambda module, args, output: seen.append(len(REGISTRY.models.get(first, HookState).handles))
+        lambda module, args, output: seen.append(len(MODELS.get(first, HookState).handles))
     )
     first(_inputs(), unit_locations=LOCATIONS)
     assert inner and seen == [2]  # the second model's forward and cleanup left the first's handles alone
-    assert REGISTRY.models.of(first, HookState) is not REGISTRY.models.of(second, HookState)
+    assert MODELS.of(first, HookState) is not MODELS.of(second, HookState)
 
 
 def test_unpatch_removes_the_hooks_kept_for_a_pending_backward(patched):
@@ -87,7 +87,7 @@ def test_unpatch_removes_the_hooks_kept_for_a_pending_backward(patched):
     assert _hook_counts(model) != baseline  # kept for the recomputation
     pyvene_dist.unpatch()
     assert _hook_counts(model) == baseline, "unpatch() left the kept hooks registered"
-    assert len(REGISTRY.models) == 0 and ATTRIBUTE not in vars(model), "unpatch() left the state on the model"
+    assert len(MODELS) == 0 and ATTRIBUTE not in vars(model), "unpatch() left the state on the model"
     del loss
 
 
@@ -95,7 +95,7 @@ def test_the_state_is_closed_when_the_model_is_collected(patched):
     """A model's state is torn down (the hooks it holds removed) when the model goes, not at unpatch()."""
     model = reft_model(tiny_llama())
     survivor = torch.nn.Linear(2, 2)  # a module that outlives the model, holding a hook in its state
-    state = REGISTRY.models.of(model, HookState)
+    state = MODELS.of(model, HookState)
     state.handles.append(survivor.register_forward_hook(lambda module, args, output: None))
     collected = []
     model_ref = weakref.finalize(model, collected.append, True)
@@ -115,17 +115,17 @@ def test_a_models_rotations_are_torchs_again_and_their_graphs_dropped_when_it_is
 
     model = reft_model(tiny_llama())
     rotations = [m for m in model.interventions.modules() if isinstance(m, _Orthogonal)]
-    state = REGISTRY.models.get(model, OrthogonalState)
+    state = MODELS.get(model, OrthogonalState)
     assert rotations and set(state.rotations) == set(rotations)
     assert all(type(rotation) is ReftOrthogonal for rotation in rotations)
     for rotation in rotations:
         state.graphs[rotation] = object()  # what a capture on a GPU leaves: its graphs and their pool
-        assert REGISTRY.models.of_part(rotation, OrthogonalState) is state and graphs_of(rotation) is not None
+        assert MODELS.of_part(rotation, OrthogonalState) is state and graphs_of(rotation) is not None
     del model
     gc.collect()
     assert [type(rotation) for rotation in rotations] == [_Orthogonal] * len(rotations)
     assert len(state.graphs) == 0 and len(state.rotations) == 0
-    assert all(REGISTRY.models.of_part(rotation, OrthogonalState) is None for rotation in rotations)
+    assert all(MODELS.of_part(rotation, OrthogonalState) is None for rotation in rotations)
 
 
 def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
@@ -136,8 +136,8 @@ def test_a_data_parallel_replica_has_a_state_of_its_own(patched):
     replica = model._replicate_for_data_parallel()  # as torch's replicate makes it: a shallow copy
     _make_independent(replica, model, torch.device("meta"))
     assert replica.get_device() == torch.device("meta")
-    assert REGISTRY.models.get(replica, DataParallelState).replica_device == torch.device("meta")
-    assert REGISTRY.models.get(model, DataParallelState).replica_device is None
+    assert MODELS.get(replica, DataParallelState).replica_device == torch.device("meta")
+    assert MODELS.get(model, DataParallelState).replica_device is None
     assert vars(replica)[ATTRIBUTE] is not vars(model)[ATTRIBUTE]  # the copied entry was the original's
 
 
@@ -154,7 +154,7 @@ def test_fsdp_averaging_goes_with_the_model():
         assert trainable and all(p._post_accumulate_grad_hooks for p in trainable)
         from pyvene_dist.fixes.fsdp import FsdpState
 
-        assert {id(p) for p in REGISTRY.models.get(model, FsdpState).reduced.keys()} == {id(p) for p in trainable}
+        assert {id(p) for p in MODELS.get(model, FsdpState).reduced.keys()} == {id(p) for p in trainable}
         del model
         gc.collect()
         assert not any(p._post_accumulate_grad_hooks for p in trainable), "a collected model's hooks stayed"
@@ -166,13 +166,13 @@ def test_a_copy_of_a_model_starts_with_no_state(patched):
     """``copy.copy`` carries the original's entry, which answers for the original only; ``deepcopy`` and pickle
     carry an empty dict. Either way the copy's fixes keep their own state."""
     model = reft_model(tiny_llama())
-    original = REGISTRY.models.of(model, HookState)
+    original = MODELS.of(model, HookState)
     shallow = copy.copy(model)
-    assert REGISTRY.models.get(shallow, HookState) is None
-    assert REGISTRY.models.of(shallow, HookState) is not original
-    assert REGISTRY.models.get(model, HookState) is original  # the copy's state did not replace the original's
+    assert MODELS.get(shallow, HookState) is None
+    assert MODELS.of(shallow, HookState) is not original
+    assert MODELS.get(model, HookState) is original  # the copy's state did not replace the original's
     duplicate = copy.deepcopy(model)
-    assert vars(duplicate)[ATTRIBUTE] == {} and REGISTRY.models.get(duplicate, HookState) is None
+    assert vars(duplicate)[ATTRIBUTE] == {} and MODELS.get(duplicate, HookState) is None
     assert pickle.loads(pickle.dumps(vars(model)[ATTRIBUTE])) == {}  # torch.save of a whole model pickles it so
 
 

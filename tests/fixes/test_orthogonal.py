@@ -19,9 +19,10 @@ import torch
 
 import helpers
 import pyvene_dist
-from pyvene_dist._registry import REGISTRY
+from pyvene_dist._registry import MODELS, OPTIONS
 from pyvene_dist.fixes import orthogonal as graphed
 from pyvene_dist.fixes.orthogonal import OrthogonalState
+from pyvene_dist.mechanisms import rotation_graphs
 
 
 def _rotation(device="cpu", hidden=64, rank=4, seed=0):
@@ -143,7 +144,7 @@ def test_unpatch_gives_torchs_class_back_and_patch_swaps_it_again():
 def test_captured_forward_is_torchs_op_for_op():
     orthogonal, X = _parts(_rotation())
     with torch.no_grad():  # unpatched: orthogonal(X) is torch's own forward
-        assert torch.equal(graphed._forward(X, orthogonal.base), orthogonal(X))
+        assert torch.equal(rotation_graphs._forward(X, orthogonal.base), orthogonal(X))
 
 
 def test_captured_backward_is_the_gradient_of_torchs_forward():
@@ -151,7 +152,7 @@ def test_captured_backward_is_the_gradient_of_torchs_forward():
     grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3))
     (expected,) = torch.autograd.grad(orthogonal(X), X, grad_Q)  # unpatched: torch's own backward
     with torch.no_grad():
-        got = graphed._backward(X, orthogonal.base, grad_Q)
+        got = rotation_graphs._backward(X, orthogonal.base, grad_Q)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -160,7 +161,7 @@ def test_captured_backward_is_the_gradient_of_torchs_forward():
 def test_the_switch(monkeypatch, value, graphs):
     monkeypatch.setenv("PYVENE_DIST_CUDA_GRAPHS", value)
     with pyvene_dist.patched():
-        assert REGISTRY.options.cuda_graphs is graphs
+        assert OPTIONS.current.cuda_graphs is graphs
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
@@ -171,7 +172,7 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
     monkeypatch.setattr(graphed, "replayed_rotation", lambda orthogonal, X: asked.append(X) and None)
     rotate = _rotation()
     with pyvene_dist.patched(cuda_graphs=cuda_graphs):
-        assert REGISTRY.options.cuda_graphs is cuda_graphs
+        assert OPTIONS.current.cuda_graphs is cuda_graphs
         rotate.weight
     assert bool(asked) is cuda_graphs
 
@@ -179,7 +180,7 @@ def test_patchs_cuda_graphs_overrides_the_switch_and_reaches_the_rotation(monkey
 def test_unpatch_releases_captured_rotations():
     orthogonal, _ = _parts(_rotation())
     with pyvene_dist.patched():
-        state = REGISTRY.models.of_part(orthogonal, OrthogonalState)
+        state = MODELS.of_part(orthogonal, OrthogonalState)
         state.graphs[orthogonal] = object()  # what a capture on a GPU leaves: its graphs and their pool
     assert orthogonal not in state.graphs and graphed.graphs_of(orthogonal) is None
 
@@ -203,7 +204,7 @@ def test_captured_backward_at_the_benchmarks_shape_in_float64():
     grad_Q = torch.randn(X.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     (expected,) = torch.autograd.grad(orthogonal(X), X, grad_Q)
     with torch.no_grad():
-        got = graphed._backward(X, orthogonal.base, grad_Q)
+        got = rotation_graphs._backward(X, orthogonal.base, grad_Q)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -215,9 +216,9 @@ def test_a_failed_capture_warns_once_and_leaves_the_rotation_eager(patched, monk
         attempts.append(X)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphed, "_applies", lambda orthogonal, X: True)  # as on a GPU
-    monkeypatch.setattr(graphed._Graphs, "capture", capture)
-    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    monkeypatch.setattr(rotation_graphs, "_applies", lambda orthogonal, X: True)  # as on a GPU
+    monkeypatch.setattr(rotation_graphs._Graphs, "capture", capture)
+    monkeypatch.setattr(rotation_graphs, "WARM_CALLS", 1)
     with pytest.warns(RuntimeWarning, match="runs eagerly .*operation not permitted"):
         first = rotate.weight
     with warnings.catch_warnings():
@@ -236,12 +237,12 @@ def test_captured_functions_under_bf16_autocast_are_torchs():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = orthogonal(X)
         with torch.no_grad():
-            got = graphed._forward(X, orthogonal.base)
+            got = rotation_graphs._forward(X, orthogonal.base)
     assert expected.dtype == torch.bfloat16 and torch.equal(got, expected)
     grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     (expected_grad,) = torch.autograd.grad(expected, X, grad_Q)
     with torch.no_grad():
-        got_grad = graphed._backward(X, orthogonal.base, grad_Q)
+        got_grad = rotation_graphs._backward(X, orthogonal.base, grad_Q)
     assert got_grad.dtype == torch.float32
     assert _relative_error(got_grad, expected_grad) < 1e-5
 
@@ -257,7 +258,7 @@ def test_replays_follow_optimizer_updates_with_torchs_results(monkeypatch):
     rotate = _rotation("cuda", hidden=2048)
     orthogonal, X = _parts(rotate)
     optimizer = torch.optim.SGD([X], lr=0.1)
-    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    monkeypatch.setattr(rotation_graphs, "WARM_CALLS", 1)
     start = X.detach().clone()
     for step in range(4):
         expected = orthogonal(X)  # unpatched: torch's forward and backward
@@ -281,7 +282,7 @@ def test_a_step_is_two_graph_launches(patched, staged):
     rotate = _rotation("cuda", hidden=256)
     if staged:
         _parts(rotate)[1].ds_id = 0  # a DeepSpeed partition read directly: through a copy
-    for _ in range(graphed.WARM_CALLS + 1):
+    for _ in range(rotation_graphs.WARM_CALLS + 1):
         _loss(rotate.weight).backward()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -298,14 +299,14 @@ def test_a_step_is_two_graph_launches(patched, staged):
 def test_a_new_storage_is_captured_again(patched):
     rotate = _rotation("cuda", hidden=256)
     orthogonal, original = _parts(rotate)
-    for _ in range(graphed.WARM_CALLS + 1):
+    for _ in range(rotation_graphs.WARM_CALLS + 1):
         rotate.weight
     first = graphed.graphs_of(orthogonal)
     assert first.forward_graph is not None
     original.data = original.data.clone()  # a new storage, as a move or an assigning load gives
     with torch.no_grad():
         original.data[1, 0] += 0.5
-    for _ in range(graphed.WARM_CALLS + 1):
+    for _ in range(rotation_graphs.WARM_CALLS + 1):
         weight = rotate.weight
     assert graphed.graphs_of(orthogonal) is not first
     assert graphed.graphs_of(orthogonal).forward_graph is not None
@@ -317,7 +318,7 @@ def test_a_new_storage_is_captured_again(patched):
 def test_an_update_between_forward_and_backward_is_refused_as_eager(patched):
     rotate = _rotation("cuda", hidden=256)
     orthogonal, original = _parts(rotate)
-    for _ in range(graphed.WARM_CALLS + 1):
+    for _ in range(rotation_graphs.WARM_CALLS + 1):
         weight = rotate.weight
     assert graphed.graphs_of(orthogonal).forward_graph is not None, "not captured"
     with torch.no_grad():
@@ -333,7 +334,7 @@ def test_under_autocast_replays_equal_eager_and_a_new_state_is_captured_again(pa
     results = {}
     for autocast in (True, False):  # captured under autocast, then again without
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            for _ in range(graphed.WARM_CALLS + 1):
+            for _ in range(rotation_graphs.WARM_CALLS + 1):
                 weight = rotate.weight
         _loss(weight.float()).backward()
         results[autocast] = weight.detach().clone(), X.grad.clone()
@@ -355,7 +356,7 @@ def test_no_graph_inside_a_capture(patched):
     orthogonal, X = _parts(_rotation("cuda", hidden=256))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(graphed.WARM_CALLS + 1):
+        for _ in range(rotation_graphs.WARM_CALLS + 1):
             graphed.replayed_rotation(orthogonal, X)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -364,7 +365,7 @@ def test_no_graph_inside_a_capture(patched):
         captured = orthogonal(X)  # torch's kernels, captured into the caller's graph
     graph.replay()
     with torch.no_grad():
-        assert torch.equal(captured, graphed._forward(X, orthogonal.base))
+        assert torch.equal(captured, rotation_graphs._forward(X, orthogonal.base))
 
 
 @pytest.mark.gpus(1)
@@ -375,15 +376,15 @@ def test_reft_training_with_graphed_rotations_matches_eager(patched, monkeypatch
 
     case = ParityCase(steps=4)
     captured = []  # the models' states go with the models: count the captures as they happen
-    capture = graphed._Graphs.capture
-    monkeypatch.setattr(graphed._Graphs, "capture", lambda graphs, *args: captured.append(capture(graphs, *args)))
+    capture = rotation_graphs._Graphs.capture
+    monkeypatch.setattr(rotation_graphs._Graphs, "capture", lambda graphs, *args: captured.append(capture(graphs, *args)))
     pyvene_dist.unpatch()
     pyvene_dist.patch(cuda_graphs=False)
     eager = train(case, Strategy("cuda:0"))
     assert not captured
     pyvene_dist.unpatch()
     pyvene_dist.patch(cuda_graphs=True)
-    monkeypatch.setattr(graphed, "WARM_CALLS", 1)
+    monkeypatch.setattr(rotation_graphs, "WARM_CALLS", 1)
     replayed = train(case, Strategy("cuda:0"))
     assert captured, "no rotation was captured"
     assert_parity(eager, replayed, case.tolerance)
@@ -406,17 +407,17 @@ def _capture_on_cpu(graphs, X, base):
     graphs.grad_Q = torch.zeros(X.shape)
 
     def forward():
-        graphs.Q = graphed._forward(X, base)
+        graphs.Q = rotation_graphs._forward(X, base)
 
     def backward():
-        graphs.grad_X = graphed._backward(X, base, graphs.grad_Q)
+        graphs.grad_X = rotation_graphs._backward(X, base, graphs.grad_Q)
 
     graphs.forward_graph, graphs.backward_graph = _Replayable(forward), _Replayable(backward)
 
 
 def _staged_graphs_on_cpu(orthogonal, X):
     """Staged graphs on CPU: the bookkeeping of the staged path (what its input holds at each backward)."""
-    graphs = graphed._Graphs(settings=(), storage=(), staged=True)
+    graphs = rotation_graphs._Graphs(settings=(), storage=(), staged=True)
     _capture_on_cpu(graphs, X, orthogonal.base)
     return graphs
 
@@ -442,8 +443,8 @@ def test_a_matrix_in_new_storage_at_consecutive_calls_is_read_through_a_copy(pat
 
     rotate = _rotation()
     orthogonal, X = _parts(rotate)
-    monkeypatch.setattr(graphed, "_applies", lambda orthogonal, X: False)  # as for a float32 matrix on a GPU
-    monkeypatch.setattr(graphed._Graphs, "capture", _capture_on_cpu)
+    monkeypatch.setattr(rotation_graphs, "_applies", lambda orthogonal, X: False)  # as for a float32 matrix on a GPU
+    monkeypatch.setattr(rotation_graphs._Graphs, "capture", _capture_on_cpu)
     found, captured = [], []
     for call in range(8):
         if call in moved_at:
@@ -475,12 +476,12 @@ def test_a_staged_backward_gets_the_matrix_of_its_own_forward(order):
     graphs = _staged_graphs_on_cpu(orthogonal, X)
     matrices = [(X + 0.05 * torch.randn(X.shape).tril(-1)).detach().requires_grad_() for _ in range(3)]
     weights = [torch.randn(X.shape, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    rotations = [graphed._StagedReplay.apply(matrix, graphs) for matrix in matrices[:2]]
+    rotations = [rotation_graphs._StagedReplay.apply(matrix, graphs) for matrix in matrices[:2]]
     with torch.no_grad():
         third = graphs.replay_staged_forward(matrices[2], None)
-        assert torch.equal(third, graphed._forward(matrices[2].float(), orthogonal.base))
+        assert torch.equal(third, rotation_graphs._forward(matrices[2].float(), orthogonal.base))
     for i, rotation in enumerate(rotations):
-        assert torch.equal(rotation, graphed._forward(matrices[i].detach(), orthogonal.base)), f"forward {i}"
+        assert torch.equal(rotation, rotation_graphs._forward(matrices[i].detach(), orthogonal.base)), f"forward {i}"
     for i in ([1, 0] if order == "last forward first" else [0, 1]):
         (rotations[i] * weights[i]).sum().backward(retain_graph=True)
         (rotations[i] * weights[i]).sum().backward()  # the retained graph, again: the same gradient twice
@@ -496,15 +497,15 @@ def test_a_staged_forward_keeps_no_snapshot_once_its_backward_has_run():
     orthogonal, X = _parts(_rotation())
     graphs = _staged_graphs_on_cpu(orthogonal, X)
     X = X.detach().clone().requires_grad_()
-    first = graphed._StagedReplay.apply(X, graphs)
+    first = rotation_graphs._StagedReplay.apply(X, graphs)
     loss = first.square().sum()
     loss.backward()
     staging = first.grad_fn.staging
     assert not staging.pending()
-    graphed._StagedReplay.apply(X, graphs)
+    rotation_graphs._StagedReplay.apply(X, graphs)
     assert staging.snapshot is None
-    second = graphed._StagedReplay.apply(X, graphs)  # the second's backward may still come: it is kept
-    graphed._StagedReplay.apply(X, graphs)
+    second = rotation_graphs._StagedReplay.apply(X, graphs)  # the second's backward may still come: it is kept
+    rotation_graphs._StagedReplay.apply(X, graphs)
     assert second.grad_fn.staging.snapshot is not None
 
 
@@ -513,7 +514,7 @@ def test_a_staged_rotation_of_a_half_precision_matrix_is_returned_in_its_dtype()
     orthogonal, X = _parts(_rotation())
     graphs = _staged_graphs_on_cpu(orthogonal, X)
     half = X.detach().bfloat16().requires_grad_()
-    got = graphed._StagedReplay.apply(half, graphs)
+    got = rotation_graphs._StagedReplay.apply(half, graphs)
     assert got.dtype == torch.bfloat16
     grad_Q = torch.randn(X.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     got.backward(grad_Q)
@@ -535,8 +536,8 @@ def test_a_matrix_in_new_storage_at_every_step_is_replayed(patched, monkeypatch,
     orthogonal, X = _parts(rotate)
     X.data = X.data.to(dtype)
     captures = []
-    capture = graphed._Graphs.capture
-    monkeypatch.setattr(graphed._Graphs, "capture", lambda graphs, *args: captures.append(capture(graphs, *args)))
+    capture = rotation_graphs._Graphs.capture
+    monkeypatch.setattr(rotation_graphs._Graphs, "capture", lambda graphs, *args: captures.append(capture(graphs, *args)))
     grad_bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the same float32 gradient, rounded
     for step in range(6):
         X.data = X.data.clone()  # a new storage, as each gather gives
