@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.command == "plan":
         return _plan(arguments)
     if arguments.command == "fixes":
-        found = fix_list.rows()
+        with contextlib.redirect_stdout(sys.stderr):  # the fixes import pyvene, which prints on import
+            found = fix_list.rows()
         print(fix_list.to_json(found) if arguments.json else fix_list.table(found))
         return 0
     if arguments.command == "tiny-model":

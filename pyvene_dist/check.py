@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
+from . import patch
 from .testing import STRATEGIES, TOLERANCES, Record, Strategy, assert_parity, differences, spawn, tolerance, train
-from .testing.check_runs import CheckCase
+from .testing.check_runs import CheckCase, has_weights
 from .testing.models import REFT_INSTALL
 
 #: The dtypes ``check`` compares in (``--dtype``): those the parity harness has a measured bound for. float16
@@ -207,10 +209,6 @@ def _run_one(case: CheckCase, strategy: str, world_size: int, reference: Record)
 
 
 def _train_on_rank(case: CheckCase, strategy: str, world_size: int, workdir: str) -> None:
-    import torch.distributed as dist
-
-    from . import patch
-
     rank = dist.get_rank()
     log = open(Path(workdir) / f"rank{rank}.log", "w")  # the ranks' chatter stays off the progress bar
     os.dup2(log.fileno(), 1)
@@ -248,8 +246,6 @@ def _log_tail(log: Path, lines: int = 20) -> str:
 
 def case_summary(case: CheckCase) -> str:
     """One line saying what is trained, including what was chosen to fit the model."""
-    from .testing.check_runs import has_weights
-
     if not case.local:
         source = "built-in, built from a config"
     elif has_weights(case.model):

@@ -14,13 +14,12 @@ Keyword-only, small defaults. ``forward_calls`` draws a ``ForwardCall``: the key
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
-if TYPE_CHECKING:
-    from .matrix import Configuration
+from .matrix import ARCHITECTURES, INTERVENTIONS, LAYERS, Configuration, attentions, components
 
 #: How ``unit_locations`` is spelled. Each is a form pyvene's ``forward`` accepts.
 LOCATION_FORMATS = (
@@ -115,12 +114,10 @@ def _spell(location_format: str, locations: torch.Tensor, keep: list[bool]) -> d
 
 
 @st.composite
-def configurations(draw, *, attention: str = "eager", max_layers: int = 3) -> "Configuration":
+def configurations(draw, *, attention: str = "eager", max_layers: int = 3) -> Configuration:
     """A ``matrix.Configuration`` using ``attention``: an architecture that has it, any component pyvene maps
     for it, 1-``max_layers`` of its layers, pyreft positions ``fN``, ``lN`` or ``fN+lM`` with or without
     shared weights, any pyreft intervention, float32 or bfloat16, padding on either side."""
-    from .matrix import ARCHITECTURES, INTERVENTIONS, LAYERS, Configuration, attentions, components
-
     architecture = draw(st.sampled_from([a for a in ARCHITECTURES if attention in attentions(a)]))
     first, last = draw(st.tuples(st.integers(0, 2), st.integers(0, 2)).filter(any))
     positions = "+".join(f"{side}{count}" for side, count in (("f", first), ("l", last)) if count)

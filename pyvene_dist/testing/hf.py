@@ -13,8 +13,10 @@ import os
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainingArguments
 
+from ..optim import param_groups
 from .case import ParityCase, Record
 from .comparison import intervention_grads, intervention_weights
 from .models import import_pyreft
@@ -156,9 +158,6 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
     steps and the processes that the division and the average undo. The recorded loss is the step's mean.
     """
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader
-
-    from ..optim import param_groups
 
     accelerator = accelerator or Accelerator(gradient_accumulation_steps=case.accumulation)
     _check_accumulation(accelerator, case)

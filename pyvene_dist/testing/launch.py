@@ -12,6 +12,7 @@ presumed stuck in a collective that will never complete.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import faulthandler
 import os
 import queue
@@ -222,8 +223,6 @@ def outcome_of(rank: int, body: Callable[[], Any]) -> RankOutcome:
 
 
 def _init_process_group(backend: str, store_path: str, rank: int, world_size: int, timeout: float) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..fully_shard import fully_shard_model
 from . import models
@@ -23,8 +26,6 @@ class TensorParallel(DDP):
 
     def __init__(self, device: str | torch.device | None = None, *, by_hand: bool = False, shape=None):
         super().__init__(device)
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape = shape or (self._world_size(),)
         if math.prod(shape) != self._world_size():
             raise ValueError(f"strategy {self.name!r} needs a world size of {math.prod(shape)} {self.dims}, "
@@ -36,8 +37,6 @@ class TensorParallel(DDP):
 
     @staticmethod
     def _world_size() -> int:
-        import torch.distributed as dist
-
         return dist.get_world_size()
 
     @property
@@ -72,8 +71,6 @@ class TensorParallel(DDP):
 
     def mean(self, value):
         # Every rank of a TP group holds its data-parallel group's loss: the mean over all ranks is theirs.
-        import torch.distributed as dist
-
         value = value.detach().clone()
         dist.all_reduce(value)
         return value.item() / self.devices
@@ -111,6 +108,7 @@ class HSDP(TensorParallel):
 def parallelize_by_hand(base: nn.Module, tp_mesh) -> nn.Module:
     """torch's ``parallelize_module`` over ``tp_mesh``, with the styles the model's ``base_model_tp_plan`` names
     (``colwise``, ``rowwise``): what a user who does not load through ``from_pretrained`` writes."""
+    # Here: torch.distributed.tensor takes 0.9 s to import, which every rank importing the harness would pay.
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -1,10 +1,18 @@
-"""Tiny models built from configs (nothing is downloaded) and ReFT models on top of them."""
+"""Tiny models built from configs (nothing is downloaded) and ReFT models on top of them.
+
+transformers' model classes are imported by the builder that uses them: each loads its architecture's modules
+(seconds for all of them), and every rank of the harness and every ``pyvene-dist`` command imports this module.
+pyvene and pyreft likewise, where used (pyvene prints on import, onto the commands' output).
+"""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 VOCAB_SIZE = 97
 #: The fewest heads (key/value heads) of the tiny models: head-level locations name one of these.
@@ -191,11 +199,6 @@ def reload_pretrained(model, **from_pretrained_kwargs):
     config built partitioned (``deepspeed.zero.Init``) and loaded into the partitions; with
     ``tp_plan="auto"`` split over the ranks. In a process group HF writes on rank 0 only, so the ranks
     share rank 0's folder."""
-    import shutil
-    import tempfile
-
-    import torch.distributed as dist
-
     grouped = dist.is_available() and dist.is_initialized()
     directory = [tempfile.mkdtemp(prefix="pyvene-dist-model") if not grouped or dist.get_rank() == 0 else None]
     if grouped:

@@ -8,10 +8,13 @@ strategy of the registry trains LoReFT over the same 4-bit or 8-bit weights as t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from .check_runs import CheckCase, has_weights
@@ -66,10 +69,6 @@ def _save(model: nn.Module, folder: Path) -> None:
     """``model``'s config and weights as ``from_pretrained`` reads them, written by this process alone (HF's
     ``save_pretrained`` writes on rank 0 only in a process group, and one rank may build alone: a reference);
     a model that HF's ZeRO-3 config built partitioned is gathered first."""
-    import contextlib
-
-    from safetensors.torch import save_file
-
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]  # built under HF's ZeRO-3 config
     if partitioned:
         import deepspeed

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+from importlib.metadata import version
 from typing import Callable
 
+from packaging.version import Version
+
+from .models import VOCAB_SIZE
 
 #: Given a world size and the machine's GPU count: None when the machine can run it, else why not.
 Requirement = Callable[[int, int], "str | None"]
@@ -29,8 +34,6 @@ def two_dimensional(world_size: int, gpus: int) -> str | None:
 
 def installed(package: str, then: Requirement = any_machine) -> Requirement:
     def needs(world_size: int, gpus: int) -> str | None:
-        import importlib.util
-
         return f"{package} not installed" if importlib.util.find_spec(package) is None else then(world_size, gpus)
 
     return needs
@@ -45,12 +48,6 @@ UNEVEN_TP_PLAN = "5.21"
 def tp_plan_splits_the_vocabulary(world_size: int, gpus: int) -> str | None:
     """``tp``'s model (``from_pretrained(tp_plan="auto")`` of the tiny model, ``models.VOCAB_SIZE`` tokens) on a
     transformers older than ``UNEVEN_TP_PLAN``: its ``lm_head`` must split evenly over the ranks."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    from .models import VOCAB_SIZE
-
     found = version("transformers")
     if VOCAB_SIZE % world_size == 0 or Version(found) >= Version(UNEVEN_TP_PLAN):
         return None

@@ -9,9 +9,11 @@ import tempfile
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..fully_shard import fully_shard_model, layer_classes
+from ..optim import param_groups
 
 if TYPE_CHECKING:
     from .case import ParityCase
@@ -98,22 +100,16 @@ class DDP(Strategy):
     name = "ddp"
 
     def __init__(self, device: str | torch.device | None = None):
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             raise RuntimeError("strategy 'ddp' needs an initialised torch.distributed process group")
         super().__init__(device)
 
     @property
     def world_size(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_world_size()
 
     @property
     def rank(self) -> int:
-        import torch.distributed as dist
-
         return dist.get_rank()
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -121,8 +117,6 @@ class DDP(Strategy):
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def mean(self, value: torch.Tensor) -> float:
-        import torch.distributed as dist
-
         value = value.detach().clone()
         dist.all_reduce(value)
         return value.item() / self.world_size
@@ -136,8 +130,6 @@ class FSDP2(DDP):
     def prepare(self, model, optimizer, case):
         # fully_shard replaces the base model's parameters with sharded ones (a trainable head's too): the
         # optimizer is made again over them, with the same settings.
-        from ..optim import param_groups
-
         wrapped = self.wrap(model)
         return wrapped, torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)  # as train() makes it
 
@@ -151,6 +143,7 @@ class FSDP1(DDP):
     name = "fsdp1"
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        # Here, as in fully_shard_model: torch.distributed.fsdp imports torch.distributed.tensor (0.9 s).
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -335,8 +328,6 @@ def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str |
     return device_map
 
 def _default_device() -> torch.device:
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

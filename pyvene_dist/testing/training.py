@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..optim import param_groups
 from . import models
 from .case import ParityCase, Record
 from .comparison import intervention_grads, intervention_weights
@@ -40,8 +41,6 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
         strategy = STRATEGIES[strategy]()
     model = strategy.place(strategy.build(case))
     model.train()
-    from ..optim import param_groups
-
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
     wrapped, optimizer = strategy.prepare(model, optimizer, case)
     held = parameter_bytes(model)
