@@ -8,32 +8,19 @@ reflectors one by one: the rank-4 rotation's forward and backward came to about 
 issuing kernels, and four such backwards were most of what it issued beyond LoRA's step
 (docs/benchmarks.md).
 
-The fix keeps the forward (the same ``householder_product`` call, so results are bit-identical) and
-computes the gradient from the compact WY form instead. With ``V`` the unit lower-trapezoidal
-reflectors (n x k), ``E`` the first k columns of the identity and ``V1 = V[:k]``::
-
-    Q = E - V M^-1 V1^T,    M = diag(1 / tau) + striu(V^T V)      (the "UT transform")
-
-so for ``G = dL/dQ``, with ``W = M^-1 V1^T``, ``R = M^-T V^T G``, ``Z = R W^T`` and ``S = striu(Z)``::
-
-    dL/dV   = V (S + S^T) - G W^T - [R^T; 0]        dL/dA = tril(dL/dV, -1)
-    dL/dtau = -diag(Z) / tau^2
-
-one k x k triangular inverse and seven matrix products, batched like the input: about 100 operator
-calls, most of them views, whatever the rank; the rotation's forward and backward then come to about
-200. It holds for any ``tau``, not only the orthogonal map's.
-
-The closed form is used where it is exact and supported: real float32/float64 tensors that need a
-gradient, without ``out=`` and without ``__torch_function__`` subclasses; every other call is torch's,
-untouched. Gradients agree with torch's to rounding (float64: relative 1e-10 in tests, and with finite
-differences). The backward is not itself differentiable (no double backward through the rotation).
+The fix keeps the forward (the same ``householder_product`` call, so results are bit-identical) and computes
+the gradient from the compact WY form instead (``mechanisms.householder_backward`` has the closed form): one
+k x k triangular inverse and seven matrix products, about 100 operator calls whatever the rank; the rotation's
+forward and backward then come to about 200. Gradients agree with torch's to rounding (float64: relative 1e-10
+in tests, and with finite differences); real float32/float64 tensors that need a gradient only, every other
+call is torch's. The backward is not itself differentiable (no double backward through the rotation).
 
 Only pyvene's interventions get it: ``torch.linalg.householder_product`` stays torch's for every caller.
-``householder_product`` here is the closed-form call, and the fix has no site of its own: while it is
-applied (``APPLIED`` names it) the eager path of ``fixes.orthogonal``'s ``ReftOrthogonal``, the
-parametrization that fix gives the interventions' rotations, calls it; hence it requires that fix. A
-user's own orthogonal layer in the same process keeps torch's forward and backward, double backward
-included.
+The fix has no site and no code of its own: it is the ``orthogonal`` fix's choice of backward for its eager
+rotation, taken while this fix is applied (``APPLIED`` names it), so ``orthogonal`` names it in ``after``.
+The dependency runs one way: this record requires nothing, and applied without ``orthogonal`` it changes
+nothing (pyvene's rotations are then torch's). A user's own orthogonal layer in the same process keeps torch's
+forward and backward, double backward included.
 
 The slow backward is torch's (``householder_product_backward``), which pyvene and pyreft do not own:
 this concern has no upstream diff (``docs/upstreaming.md``). Checked with torch 2.11 and 2.13.
@@ -41,71 +28,11 @@ this concern has no upstream diff (``docs/upstreaming.md``). Checked with torch 
 
 from __future__ import annotations
 
-import torch
-
 from .._records import Fix
 
 FIX = Fix(
     __name__,
-    sites=(),  # it acts through fixes.orthogonal's ReftOrthogonal, on pyvene's interventions only
-    requires=("orthogonal",),
+    # No site: the orthogonal fix's ReftOrthogonal takes this backward for its eager rotation where this fix is
+    # applied (its record names this one in `after`); the code is mechanisms.householder_backward.
+    sites=(),
 )
-
-
-_EXACT = (torch.float32, torch.float64)
-
-
-def householder_product(*args, **kwargs) -> torch.Tensor:
-    """``torch.linalg.householder_product(*args, **kwargs)``, with the closed-form backward where it applies."""
-    reflectors_and_tau = _closed_form_arguments(*args, **kwargs)
-    if reflectors_and_tau is None:
-        return torch.linalg.householder_product(*args, **kwargs)
-    return _HouseholderProduct.apply(*reflectors_and_tau)
-
-
-def _closed_form_arguments(input=None, tau=None, **rest):
-    """``(A, tau)`` when the closed form applies to this call, else ``None`` (torch's own path)."""
-    A = input
-    if rest or not isinstance(A, torch.Tensor) or not isinstance(tau, torch.Tensor):
-        return None
-    if type(A) is not torch.Tensor or type(tau) is not torch.Tensor:  # subclasses dispatch themselves
-        return None
-    if not torch.is_grad_enabled() or not (A.requires_grad or tau.requires_grad):
-        return None
-    if A.dtype not in _EXACT or tau.dtype != A.dtype or A.dim() < 2 or tau.dim() != A.dim() - 1:
-        return None
-    return A, tau
-
-
-class _HouseholderProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, A, tau):
-        ctx.save_for_backward(A, tau)
-        return torch.linalg.householder_product(A, tau)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        A, tau = ctx.saved_tensors
-        grad_A, grad_tau = householder_product_backward(A, tau, grad)
-        return (grad_A if ctx.needs_input_grad[0] else None), (grad_tau if ctx.needs_input_grad[1] else None)
-
-
-def householder_product_backward(A: torch.Tensor, tau: torch.Tensor, grad: torch.Tensor):
-    """``(dL/dA, dL/dtau)`` of ``Q = householder_product(A, tau)`` given ``dL/dQ``, in closed form."""
-    k = A.size(-1)
-    V = A.tril(-1)
-    V.diagonal(dim1=-2, dim2=-1).fill_(1)
-    inverse_tau = tau.reciprocal()
-    M = (V.mT @ V).triu_(1)
-    M.diagonal(dim1=-2, dim2=-1).copy_(inverse_tau)
-    identity = torch.eye(k, dtype=A.dtype, device=A.device)
-    M_inverse = torch.linalg.solve_triangular(M, identity, upper=True)  # broadcast over M's batch
-    W = M_inverse @ V[..., :k, :].mT
-    R = M_inverse.mT @ (V.mT @ grad)
-    Z = R @ W.mT
-    S = Z.triu(1)
-    grad_V = V @ (S + S.mT) - grad @ W.mT
-    grad_V[..., :k, :] -= R.mT
-    grad_tau = Z.diagonal(dim1=-2, dim2=-1) * inverse_tau.square()
-    return grad_V.tril_(-1), grad_tau.neg_()

@@ -297,10 +297,10 @@ def test_zero3_with_replayed_rotations_matches_eager_rotations(dtype):
     through a float32 copy of the matrix: fixes.orthogonal's staged graphs): losses, gradients and weights
     match those of the eager rotation."""
     import pyvene_dist
-    from pyvene_dist.fixes import orthogonal
+    from pyvene_dist.mechanisms import rotation_graphs
 
     case = ParityCase(dtype=dtype, lr=1e-3) if dtype == "bfloat16" else ParityCase()
-    staged, capture, warm_calls = [], orthogonal._Graphs.capture, orthogonal.WARM_CALLS
+    staged, capture, warm_calls = [], rotation_graphs._Graphs.capture, rotation_graphs.WARM_CALLS
 
     def counted_capture(graphs, *args):
         staged.append(graphs.staged)
@@ -308,13 +308,13 @@ def test_zero3_with_replayed_rotations_matches_eager_rotations(dtype):
 
     runs = {}
     try:
-        orthogonal._Graphs.capture, orthogonal.WARM_CALLS = counted_capture, 1
+        rotation_graphs._Graphs.capture, rotation_graphs.WARM_CALLS = counted_capture, 1
         for cuda_graphs in (False, True):
             pyvene_dist.unpatch()
             pyvene_dist.patch(cuda_graphs=cuda_graphs)
             runs[cuda_graphs] = train(case, "zero3")
     finally:
-        orthogonal._Graphs.capture, orthogonal.WARM_CALLS = capture, warm_calls
+        rotation_graphs._Graphs.capture, rotation_graphs.WARM_CALLS = capture, warm_calls
         pyvene_dist.unpatch()
     assert staged, "no rotation was captured"
     if dtype == "bfloat16":  # float32: at world 1 the gathered matrix keeps its storage, read in place

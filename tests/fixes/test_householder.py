@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
 import pyvene_dist
-from pyvene_dist.fixes import householder
+from pyvene_dist.mechanisms import householder_backward as householder
 from pyvene_dist.testing import models
 
 TORCHS = torch.linalg.householder_product
