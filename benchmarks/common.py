@@ -15,11 +15,13 @@ import copy
 import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -252,20 +254,16 @@ def commit() -> str | None:
 
 
 def versions() -> dict:
-    from importlib import metadata
-
     found = {"torch": torch.__version__}
     for name in ("transformers", "pyvene", "pyreft", "peft", "deepspeed", "accelerate", "pyvene_dist"):
         try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
+            found[name] = version(name)
+        except PackageNotFoundError:
             pass
     return found
 
 
 def gpu_name(device) -> str:
-    import platform
-
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ import common  # noqa: E402
 
 import pyvene_dist  # noqa: E402
 from pyvene_dist.testing import models  # noqa: E402
+from pyvene_dist.testing.syncs import host_device_syncs  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -167,9 +169,6 @@ def _reft_steps(model, ids, locations, layers, *, tensor_forward=False):
 def tracer(path: Path):
     """A function that runs ``step`` once under CUDA's sync debug mode, then three times under the
     profiler, and appends every host-device sync (with its Python stack) and the top kernels to ``path``."""
-    import traceback
-
-    from pyvene_dist.testing.syncs import host_device_syncs
 
     def trace(name: str, step) -> None:
         syncs = ["".join(traceback.format_list(stack[-12:])) for stack in host_device_syncs(step)]
