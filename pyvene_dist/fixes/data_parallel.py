@@ -30,7 +30,7 @@ fixes that leave replicas alone.
 Gathering needs nothing: outputs come back as one batch in input order, and the per-replica losses
 as a vector, which HF Trainer averages (``loss.mean()`` when ``n_gpu > 1``).
 
-Checked on 2 x H200 with torch 2.11 and transformers 5.17; the splitting logic on CPU, torch 2.13.
+Run on 2 x H200; the splitting logic on the CPU too.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import dataclasses
 import inspect
 from typing import Any
 
+import pyvene
 import torch
 
 from .._records import Fix, Site
@@ -71,6 +72,9 @@ class DataParallelState:
     hooked_module_names: Any = None
     #: devices whose Householder product was initialised from the calling thread.
     warmed_devices: set = dataclasses.field(default_factory=set)
+    #: whether pyvene removes only the hooks it registered (``removes_only_its_hooks``), found at the first
+    #: replicate: the fixes applied and pyvene's ``FIXES`` do not change while patched.
+    removes_only_its_hooks: bool | None = None
 
     def close(self) -> None:  # nothing registered, nothing swapped: what it holds goes with it
         pass
@@ -151,11 +155,13 @@ def _make_independent(replica, original, device: torch.device) -> None:
         module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}
         state.hooked_module_names = {key: module_names[id(register.__self__)]
                                      for key, register in original.intervention_hooks.items()}
+    if state.removes_only_its_hooks is None:
+        state.removes_only_its_hooks = removes_only_its_hooks()
     hooks = {key: getattr(replica.get_submodule(name), original.intervention_hooks[key].__name__)
              for key, name in state.hooked_module_names.items()}
     # pyvene registers its hooks on the hooked modules only; unless fixes.hooks removes just those, it pops
     # every hook of every module after each forward, which in a shared dict would be the original's.
-    changed = (register.__self__ for register in hooks.values()) if removes_only_its_hooks() else replica.modules()
+    changed = (register.__self__ for register in hooks.values()) if state.removes_only_its_hooks else replica.modules()
     for module in changed:
         for name in _HOOK_DICTS:
             module.__dict__[name] = collections.OrderedDict(module.__dict__[name])
@@ -182,10 +188,9 @@ def _warm_householder(model, device: torch.device) -> None:
 
 def removes_only_its_hooks() -> bool:
     """Whether pyvene removes only the hooks it registered: ``fixes.hooks`` is applied, or the pyvene imported
-    carries it (``hooks`` in ``pyvene.FIXES``; ``patch()`` then leaves it off)."""
-    from . import carried_fixes, hooks
-
-    return hooks.FIX.name in APPLIED or hooks.FIX.name in (carried_fixes("pyvene") or ())
+    carries it (``hooks`` in ``pyvene.FIXES``; ``patch()`` then leaves it off). Asked once per model
+    (``DataParallelState``), not per replica and forward."""
+    return "hooks" in APPLIED or "hooks" in getattr(pyvene, "FIXES", ())
 
 
 def _arguments(args, kwargs, *names):

@@ -157,6 +157,22 @@ def test_a_replica_copies_the_hook_dicts_of_its_hooked_modules_only(patched):
         assert shared != (id(module) in hooked), type(module).__name__
 
 
+def test_which_hooks_pyvene_removes_is_asked_once_per_model(patched, monkeypatch):
+    """Whether pyvene removes only its own hooks (the hooks fix applied, or carried by pyvene) cannot change while
+    patched: it is found at a model's first replicate and kept in its state. It ran the fix-selection code
+    (reading pyvene's FIXES) for every replica of every forward before."""
+    from pyvene_dist.fixes import data_parallel
+
+    asked, ask = [], data_parallel.removes_only_its_hooks
+    monkeypatch.setattr(data_parallel, "removes_only_its_hooks", lambda: asked.append(1) or ask())
+    model = reft_model(tiny_llama())
+    for _ in range(3):  # three forwards of two replicas
+        two_replicas(model, independent=True)
+    assert len(asked) == 1
+    two_replicas(reft_model(tiny_llama()), independent=True)
+    assert len(asked) == 2  # another model: asked for it
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
