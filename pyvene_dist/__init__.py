@@ -4,7 +4,7 @@
     pyvene_dist.patch()        # before building models; stock pyvene/pyreft/HF Trainer code then works
 
 Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly (the
-import adds one finder, for the old names of renamed modules: ``_renamed``).
+import adds one finder, for the old names of moved modules: ``_moved_modules``).
 
 Beside ``patch()``: ``gather.gathered`` (the interventions whole outside a forward, as for a save under
 ZeRO-3), ``optim``, ``fully_shard``, ``testing`` (the parity harness) and the commands
@@ -19,9 +19,9 @@ from typing import Iterable, Iterator
 __version__ = "0.1.0"
 __all__ = ("patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__")
 
-from . import _renamed
+from . import _moved_modules
 
-_renamed.install()
+_moved_modules.install()
 
 
 def patch(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pyvene_dist import _renamed
+from pyvene_dist import _moved_modules
 
 PACKAGE = Path(__file__).parents[1] / "pyvene_dist"
 #: Every package has these; they name the folder, not a module of their own.
@@ -49,12 +49,12 @@ def test_a_repeated_name_is_found_with_or_without_its_underscore(tmp_path):
 
 def test_an_old_name_imports_the_new_module_with_a_warning_naming_it():
     """In a fresh interpreter, so that no name is imported yet; no file keeps an old name."""
-    kept = [old for old in _renamed.RENAMED if (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists()]
+    kept = [old for old in _moved_modules.MOVED if (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists()]
     assert not kept, f"still files: {kept}"
     code = """if True:
         import importlib, sys, warnings
-        from pyvene_dist._renamed import RENAMED
-        for old, new in RENAMED.items():
+        from pyvene_dist._moved_modules import MOVED
+        for old, new in MOVED.items():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 moved = importlib.import_module(old)
