@@ -1,19 +1,49 @@
-"""The fast path's per-call half (``fixes.fast_path``): one call's locations as index tensors (``Call``), and the
-hook each step of a plan registers once, which intervenes with them while a call runs."""
+"""The fast path's per-call half (``fixes.fast_path``): the plan a model's calls run on (``Plan``, its ``Step``s),
+one call's locations as index tensors (``Call``), and the hook each step registers once, which intervenes with
+them while a call runs. Nothing here imports ``fast_path``: it builds plans and calls these."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from .locations import check_intervention_dtypes
+from ..mechanisms.copy_on_write import copy_first, must_copy
+from ..mechanisms.dtype_checks import check_intervention_dtypes
+from ._fast_path_operations import operations
 
-if TYPE_CHECKING:
-    from .fast_path import Plan, Step
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One intervention of the plan, in the order pyvene registers its hooks."""
+
+    number: int  # its place in that order (pyvene's per-hook counters of a generate)
+    index: int  # its place in ``sorted_keys``: the locations' intervention axis
+    intervention: Any
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    """Kept in the model's state (``fast_path.FastPathState``) while its interventions are the same."""
+
+    interventions: list  # the model's interventions when built: the plan stands while they are the same
+    refusal: str | None  # why the model takes the general path (then nothing else is set)
+    steps: list = dataclasses.field(default_factory=list)
+    handles: list = dataclasses.field(default_factory=list)
+    config_has_use_cache: bool = False
+    call: Call | None = None
+    compiled: tuple | None = None  # (compile config, the plan's compiled decoding step): ``compiled_decoding``
+    #: (hook, shape, dtype, device, saved-tensor hooks on) -> whether the hooked output aliases a saved tensor
+    aliasing: dict = dataclasses.field(default_factory=dict)
+    batch_indices: dict = dataclasses.field(default_factory=dict)  # (batch, device) -> arange(batch)[:, None]
+    #: pyreft's forward functions -> whether each is the one ``operations`` was written from (read once)
+    pyreft_forms: dict = dataclasses.field(default_factory=dict)
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,7 +54,7 @@ class Call:
     use_fast: bool  # pyvene's flag: the write takes row 0 of the positions for the whole batch
     #: per intervention, on the hooked output's device: the gather's index (the positions expanded over the
     #: last dimension), the positions of the write, the batch index, and the intervention's operations
-    #: (``_operations``) or None; made at the hook's first use.
+    #: (``_fast_path_operations.operations``) or None; made at the hook's first use.
     indices: list
     generating: bool = False
     on_prompt: bool = False
@@ -133,14 +163,12 @@ def _hook(plan: Plan, step: Step):
             indices = call.indices[index]
             if indices is None or indices[0].device != value.device or indices[0].shape[-1] != value.shape[-1]:
                 indices = call.indices[index] = _indices(plan, call, index, value, intervention)
-        gathered, written, batch_index, operations = indices
+        gathered, written, batch_index, as_operations = indices
         # pyvene gathers from a copy: gather saves its input for backward, which the write below changes
         selected = torch.gather(value.clone() if value.requires_grad else value, 1, gathered)
-        intervened = intervention(selected, None, None) if operations is None else operations(selected)
+        intervened = intervention(selected, None, None) if as_operations is None else as_operations(selected)
         if (value.requires_grad or intervened.requires_grad) and _must_copy(plan, number, value):
-            from .hooks import _copy_first
-
-            output = _copy_first(output, _always)
+            output = copy_first(output, _always)
             value = output[0] if isinstance(output, tuple) else output
             value[batch_index, written] = intervened
             return output
@@ -162,115 +190,12 @@ def _indices(plan: Plan, call: Call, index: int, value: torch.Tensor, interventi
         if keep:
             plan.batch_indices[batch, value.device] = batch_index
     written = positions[0] if call.use_fast else positions  # scatter_neurons' `pos` branch
-    operations = _operations(intervention)
-    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index, operations
-
-
-# --- pyreft's interventions as the operations they run -----------------------------------------------------
-
-def _operations(intervention):
-    """The forward of LoReFT (pyreft's default intervention) or DiReFT as the torch operations it runs, in
-    its order, on its own parameters: the same outputs and gradients, bit for bit, without the module calls
-    it makes (five for LoReFT) and LoReFT's second read of its parametrized rotation. That is about 45 of
-    the 66 Python calls a LoReFT application costs, and in every-token generation 4 applications make most
-    of what a token costs over the bare model's (``benchmarks/calls.py``).
-
-    None, and the module is called, wherever the call could do something else: another type or a subclass
-    (FSDP2's ``fully_shard`` makes one), a forward that is not pyreft 0.1.0's, one set on an instance, a
-    hook on any of its modules (DeepSpeed ZeRO-3 gathers parameters in one) or a global one, an in-place
-    dropout, a jit trace (module calls record scopes: ``Module._call_impl`` calls ``_slow_forward`` where
-    ``torch._C._is_tracing()``, the test asked here; torch 2.15 asks it, 2.11-2.14 asked ``_get_tracing_state()``,
-    which agrees with it there) or a compiled graph (where module calls cost nothing at run time)."""
-    reft = sys.modules.get("pyreft.interventions")
-    kind = type(intervention)
-    form = _FORMS.get(kind.__name__)
-    if reft is None or form is None or kind is not getattr(reft, kind.__name__) or torch.compiler.is_compiling() \
-            or torch._C._is_tracing() or _global_hooks() \
-            or not _written_from(kind.forward, f"{kind.__name__}.forward"):
-        return None
-    rotate, source, act, dropout = (intervention.rotate_layer, intervention.learned_source, intervention.act_fn,
-                                    intervention.dropout)
-    if type(source) is not torch.nn.Linear or type(dropout) is not torch.nn.Dropout or dropout.inplace \
-            or not all(_plain(module) for module in (intervention, rotate, source, dropout)) \
-            or isinstance(act, torch.nn.Module) and not _plain(act):  # a function (torch.relu) is called as is
-        return None
-    from transformers.activations import LinearActivation
-
-    activation = None if type(act) is LinearActivation else act  # pyreft's default act_fn returns its input
-    return form(reft, rotate, source, activation, dropout)
-
-
-def _loreft(reft, rotate, source, act, dropout):
-    """LoreftIntervention.forward, LowRankRotateLayer.forward, Linear.forward, Dropout.forward."""
-    if type(rotate).forward is not reft.LowRankRotateLayer.forward \
-            or not _written_from(reft.LowRankRotateLayer.forward, "LowRankRotateLayer.forward"):
-        return None
-
-    def loreft(base):
-        weight = rotate.weight  # one read: the fast path's parametrize.cached() returns the same tensor twice
-        rotated_base = torch.matmul(base.to(weight.dtype), weight)
-        learned = torch.nn.functional.linear(base, source.weight, source.bias)
-        output = base + torch.matmul((learned if act is None else act(learned)) - rotated_base, weight.T)
-        return torch.dropout(output.to(base.dtype), dropout.p, dropout.training)  # F.dropout's operation
-
-    return loreft
-
-
-def _direft(reft, rotate, source, act, dropout):
-    """DireftIntervention.forward (its rotation's weight is read, its module not called), Linear.forward,
-    Dropout.forward."""
-    def direft(base):
-        cast_base = base.to(source.weight.dtype)
-        learned = torch.nn.functional.linear(cast_base, source.weight, source.bias)
-        weight = rotate.weight
-        output = base + torch.matmul((learned if act is None else act(learned)).to(weight.dtype), weight.T)
-        return torch.dropout(output.to(base.dtype), dropout.p, dropout.training)
-
-    return direft
-
-
-_FORMS = {"LoreftIntervention": _loreft, "DireftIntervention": _direft}
-
-
-#: The sources (``_records.fingerprint``) of pyreft 0.1.0's forwards that ``_operations`` runs the operations of.
-WRITTEN_FROM = {"LoreftIntervention.forward": "e9e62508e54a2da7", "LowRankRotateLayer.forward": "de17864e332a5964",
-                "DireftIntervention.forward": "7b42ef83fe824f81"}
-_same_source: dict = {}  # function -> whether it is a plain function with the source of its WRITTEN_FROM
-
-
-def _written_from(function, name: str) -> bool:
-    """Whether ``function`` is still pyreft's own: a plain function (not wrapped, as a tracer or a user's
-    patch may) whose source is the one ``_operations`` was written from."""
-    if type(function) is not types.FunctionType:  # first: a wrapt proxy hashes and compares as what it wraps
-        return False
-    same = _same_source.get(function)
-    if same is None:
-        from .._records import fingerprint
-
-        try:
-            same = fingerprint(function) == WRITTEN_FROM[name]
-        except (TypeError, OSError):  # no source to read
-            same = False
-        _same_source[function] = same
-    return same
-
-
-def _plain(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` runs its class's ``forward`` and nothing else (``Module._call_impl``'s own
-    test, with a ``forward`` set on the instance)."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__)
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks
-                or module._global_backward_pre_hooks)
+    as_operations = operations(intervention, plan.pyreft_forms)
+    return positions[..., None].expand(-1, -1, value.shape[-1]), written, batch_index, as_operations
 
 
 def _must_copy(plan: Plan, number: int, value: torch.Tensor) -> bool:
-    """``hooks.must_copy``, asked once per hook and kind of output: whether a tensor aliases a saved one, or
+    """``copy_on_write.must_copy``, asked once per hook and kind of output: whether a tensor aliases a saved one, or
     is a view autograd refuses writes to, follows from the operations that made it, fixed by the module, the
     shape, dtype and device (which pick the kernel) and whether saved-tensor hooks are on
     (``aliases_saved`` skips what they packed)."""
@@ -280,8 +205,6 @@ def _must_copy(plan: Plan, number: int, value: torch.Tensor) -> bool:
            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
     found = plan.aliasing.get(key)
     if found is None:
-        from .hooks import must_copy
-
         found = plan.aliasing[key] = must_copy(value)
     return found
 

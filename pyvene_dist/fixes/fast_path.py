@@ -24,43 +24,55 @@ copies: gather saves its input for backward), the intervention, and the index wr
 (``fixes.parametrizations`` says why). Every-token generation does what pyvene's counters do: the prompt's
 forward is left alone and position 0 of each later one is intervened on (with ``intervene_on_prompt``
 the reverse). Where transformers compiles the decoding step (the static cache), the ReFT generates in a
-compiled step of its own (``compiled_decoding``). Where pyvene's in-place write would change a tensor autograd saved (``fixes.hooks``),
-the hook writes into a copy; whether it must is asked once per hooked module and shape of the output.
+compiled step of its own (``compiled_decoding``). Where pyvene's in-place write would change a tensor autograd
+saved (``mechanisms.copy_on_write``, as ``fixes.hooks``), the hook writes into a copy; whether it must is asked
+once per hooked module and shape of the output.
 
 Anything else takes pyvene's (patched) general path: the call or the model names why in
 ``plan_refusal``/``call_refusal``, and docs/fast_path.md lists them. ``patch(fast_path=False)`` or
 ``PYVENE_DIST_FAST_PATH=0`` sends every call there.
+
+Its parts, one way down: this module (the record, the entries, the plan's building, its state ``FastPathState``);
+``_fast_path_decoding`` (the compiled decoding step); ``_fast_path_call`` (``Plan``, one call's locations and the
+hook); ``_fast_path_operations`` (LoReFT and DiReFT as their operations). None of them imports one above it.
 
 Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.13.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import sys
-import types
 import warnings
-from typing import Any
+from types import MappingProxyType
 
 import torch
+from pyvene.models.intervenable_base import IntervenableModelOutput
+from pyvene.models.intervenable_modelcard import type_to_module_mapping
+from torch.nn.utils import parametrize
 
-from .._records import Fix, Site
-from .._registry import REGISTRY
-from ._fast_path_call import Call, _call, _hook
+from .._options import Option
+from .._records import Fix, Site, fingerprint
+from .._registry import MODELS, OPTIONS
+from ..mechanisms.checkpoint_functions import checkpoint_functions
+from ..mechanisms.dtensors import is_tensor_parallel
+from ..mechanisms.parametrization_cache import cached_parametrizations
+from ._fast_path_call import Call, Plan, Step, _call, _hook
+from ._fast_path_decoding import CompiledGenerationError, compiled_decoding  # noqa: F401 -- public here
 
 _BASE = "pyvene.models.intervenable_base"
 FIX = Fix(
     __name__,
     sites=(
-        # a forward or generate other than 0.1.8's (WRITTEN_FROM) takes the general path (``plan_refusal``)
+        # a forward or generate other than 0.1.8's (WRITTEN_FROM) sends its calls to the general path (``_changed``)
         Site(f"{_BASE}:IntervenableModel.forward", "_forward_entry", kind="entry", any_form=True),
         Site(f"{_BASE}:IntervenableModel.generate", "_generate_entry", kind="entry", any_form=True),
     ),
-    # The general path it falls back to is theirs: applied first, their wraps stay under the entries.
-    after=("gradient_checkpointing", "hooks", "locations", "devices", "parametrizations", "tensor_parallel"),
+    # Its wrap of IntervenableModel.forward (the general path) stays under the entry: applied first.
+    after=("gradient_checkpointing",),
     state="FastPathState",
+    # off: every forward and generate takes pyvene's general path (docs/fast_path.md)
+    options=(Option("fast_path", "PYVENE_DIST_FAST_PATH", default=True),),
     # the plan calls what these do (Linear, Dropout, LinearActivation) when _call_impl would run only them
     relies_on=(
         "torch.nn.modules.module:Module._call_impl",
@@ -72,41 +84,11 @@ FIX = Fix(
 )
 #: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.
-WRITTEN_FROM = {"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"}
-#: Whether the installed pyvene's are those, found when the entries are made (at ``patch()``).
-_same_source: dict = {}
+WRITTEN_FROM = MappingProxyType({"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"})
 
 #: pyreft's interventions, by name (pyreft is imported only where a model holds one).
 REFT_TYPES = ("LoreftIntervention", "NoreftIntervention", "ConsreftIntervention", "LobireftIntervention",
               "DireftIntervention", "NodireftIntervention")
-
-
-@dataclasses.dataclass(eq=False)
-class Step:
-    """One intervention of the plan, in the order pyvene registers its hooks."""
-
-    number: int  # its place in that order (pyvene's per-hook counters of a generate)
-    index: int  # its place in ``sorted_keys``: the locations' intervention axis
-    intervention: Any
-
-
-@dataclasses.dataclass(eq=False)
-class Plan:
-    interventions: list  # the model's interventions when built: the plan stands while they are the same
-    refusal: str | None  # why the model takes the general path (then nothing else is set)
-    steps: list = dataclasses.field(default_factory=list)
-    handles: list = dataclasses.field(default_factory=list)
-    config_has_use_cache: bool = False
-    call: Call | None = None
-    compiled: tuple | None = None  # (compile config, the plan's compiled decoding step): ``compiled_decoding``
-    #: (hook, shape, dtype, device, saved-tensor hooks on) -> whether the hooked output aliases a saved tensor
-    aliasing: dict = dataclasses.field(default_factory=dict)
-    batch_indices: dict = dataclasses.field(default_factory=dict)  # (batch, device) -> arange(batch)[:, None]
-
-    def remove(self) -> None:
-        handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
 
 
 class FastPathState:
@@ -121,18 +103,21 @@ class FastPathState:
         self.plan = None
 
 
-def _written_from(name: str, general) -> None:
-    from .._records import fingerprint
-
-    _same_source[name] = fingerprint(getattr(general, "__wrapped__", general)) == WRITTEN_FROM[name]
+def _changed(name: str, general) -> str | None:
+    """Why the entry of ``name`` sends every call to ``general`` (what it stands in front of): the installed
+    pyvene's differs from 0.1.8's, whose work the entry does. Asked once, when the entry is made (``patch()``)."""
+    if fingerprint(getattr(general, "__wrapped__", general)) == WRITTEN_FROM[name]:
+        return None
+    return f"the installed pyvene's {name} differs from 0.1.8's, which the plan does the work of"
 
 
 def _forward_entry(general):
-    _written_from("forward", general)
+    changed = _changed("forward", general)
+
     def forward(self, base, sources=None, unit_locations=None, source_representations=None, subspaces=None,
                 labels=None, output_original_output=False, return_dict=None, use_cache=None,
                 intervention_additional_kwargs=None):
-        plan = _plan(self)
+        plan = _plan(self) if changed is None else None
         call = None
         if plan is not None and sources is None and source_representations is None and subspaces is None \
                 and not intervention_additional_kwargs and not _checkpointing_training(self):
@@ -153,8 +138,6 @@ def _forward_entry(general):
             model_kwargs["use_cache"] = use_cache
         outputs = _run(plan, call, self.model, base, model_kwargs)
         if return_dict:
-            from pyvene.models.intervenable_base import IntervenableModelOutput
-
             return IntervenableModelOutput(original_outputs=base_outputs, intervened_outputs=outputs,
                                            collected_activations=None)
         return base_outputs, outputs
@@ -163,18 +146,19 @@ def _forward_entry(general):
 
 
 def _generate_entry(general):
-    _written_from("generate", general)
+    changed = _changed("generate", general)
+
     def generate(self, base, sources=None, unit_locations=None, source_representations=None,
                  intervene_on_prompt=False, subspaces=None, output_original_output=False,
                  intervention_additional_kwargs=None, **kwargs):
-        plan = _plan(self)
+        plan = _plan(self) if changed is None else None
         call = None
         if plan is not None and sources is None and source_representations is None and subspaces is None \
                 and not intervention_additional_kwargs:
             every_token = not intervene_on_prompt and unit_locations is None  # pyvene's own default
             call = _call(self, base, {"base": 0} if every_token else unit_locations)
         if call is None:
-            with compiled_decoding(self.model, None, _why_general(self, plan)):  # the general path: refused
+            with compiled_decoding(self.model, None, changed or _why_general(self, plan)):  # the general path: refused
                 return _bound(general, self)(
                     base, sources=sources, unit_locations=unit_locations,
                     source_representations=source_representations, intervene_on_prompt=intervene_on_prompt,
@@ -208,8 +192,6 @@ def _run(plan: Plan, call: Call, run, base, kwargs, generating: bool = False):
             return run(**base, **kwargs)
         finally:
             plan.call = None
-    from .parametrizations import cached_parametrizations
-
     with cached_parametrizations():
         if generating:
             _compute_parametrized(plan)
@@ -222,8 +204,6 @@ def _run(plan: Plan, call: Call, run, base, kwargs, generating: bool = False):
 
 def _compute_parametrized(plan: Plan) -> None:
     """Read each parametrized tensor of the plan's interventions once, inside ``parametrize.cached()``."""
-    from torch.nn.utils import parametrize
-
     with torch.no_grad():
         for step in plan.steps:
             for module in step.intervention.modules():
@@ -232,69 +212,12 @@ def _compute_parametrized(plan: Plan) -> None:
                         getattr(module, name)
 
 
-# --- compiled decoding -----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def compiled_decoding(model, plan: Plan | None, reason: str = ""):
-    """While a ReFT generates: transformers' ``get_compiled_call`` of the base ``model`` (asked where generate
-    compiles its decoding step: the static cache on CUDA, or ``compile_config._compile_all_devices``)
-    returns the plan's own compiled step, or, on pyvene's general path (``plan`` None), refuses.
-
-    The base model's own compiled call cannot serve: dynamo does not guard on module hooks
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a step compiled for the bare model before the
-    plan's hooks were registered runs without them (the interventions dropped, without a word), and one
-    compiled with them keeps them. The plan's step is a function of its own (its own cache in dynamo), compiled
-    with the plan's hooks registered. The general path registers new hooks at every call: no compiled step
-    can follow them."""
-    if not callable(getattr(type(model), "get_compiled_call", None)) or "get_compiled_call" in model.__dict__:
-        yield
-        return
-    model.__dict__["get_compiled_call"] = functools.partial(_compiled_step, model, plan) if plan is not None \
-        else functools.partial(_refused_step, reason)
-    try:
-        yield
-    finally:
-        model.__dict__.pop("get_compiled_call", None)
-
-
-def _compiled_step(model, plan: Plan, compile_config):
-    """transformers' ``get_compiled_call`` for the plan: one compiled step per compile config, kept on the
-    plan (a plan rebuilt for new interventions compiles afresh)."""
-    if "llama4" in model.config.model_type:  # as transformers: not compiled
-        return model.__call__
-    config = compile_config or model._default_compile_config()
-    if plan.compiled is None or plan.compiled[0] != config:
-        plan.compiled = (config, torch.compile(_decoding_step(model), **config.to_dict()))
-    return plan.compiled[1]
-
-
-def _decoding_step(model):
-    """``model(...)`` as a function with a code object of its own. dynamo keeps its compiled entries on the code
-    object and does not guard on hooks: the bare model's entries (``Module.__call__``'s code) or another
-    plan's (of this function, before the plan was rebuilt, or before an ``unpatch()``) would match."""
-    def reft_decoding_step(*args, **kwargs):
-        return model(*args, **kwargs)
-
-    return types.FunctionType(reft_decoding_step.__code__.replace(), reft_decoding_step.__globals__,
-                              reft_decoding_step.__name__, None, reft_decoding_step.__closure__)
-
-
-def _refused_step(reason: str, compile_config):
-    raise CompiledGenerationError(
-        f"pyvene_dist: this ReFT generate takes pyvene's general path ({reason}), whose hooks "
-        f"cannot run inside the compiled decoding step that transformers asked for (compile_config="
-        f"{compile_config!r}, a static cache with cache_implementation='static' on CUDA or "
-        "compile_config._compile_all_devices=True): they would be dropped, or kept in the base model's "
-        "compiled step after the call. Pass disable_compile=True to generate eagerly, or call generate as the "
-        "fast path takes it (docs/fast_path.md, 'What falls back to the general path').")
-
-
 def _why_general(model, plan: Plan | None) -> str:
     """Why a generate of ``model`` (pyvene's model) takes the general path, in a few words."""
     if plan is not None:
         return ("its arguments: sources, source_representations, subspaces or intervention_additional_kwargs, "
                 "or unit_locations in a form the plan does not take")
-    options = REGISTRY.options
+    options = OPTIONS.current
     if options is None or not options.fast_path:
         return "fast_path is off"
     built = plan_of(model)
@@ -303,17 +226,11 @@ def _why_general(model, plan: Plan | None) -> str:
     return "a DataParallel replica or a tensor-parallel model"
 
 
-class CompiledGenerationError(RuntimeError):
-    """A ReFT generate on pyvene's general path with a compiled decoding step (``fixes.fast_path``)."""
-
-
 def _checkpointing_training(model) -> bool:
     """A training forward of a model that checkpoints: backward's recomputation needs the general path's
     kept hooks (``fixes.gradient_checkpointing``)."""
     if not (torch.is_grad_enabled() and model.training):
         return False
-    from .gradient_checkpointing import checkpoint_functions
-
     return bool(checkpoint_functions(model.model))
 
 
@@ -321,10 +238,10 @@ def _checkpointing_training(model) -> bool:
 
 def _plan(model) -> Plan | None:
     """The model's plan, built when its interventions are new; None where it takes the general path."""
-    options = REGISTRY.options
+    options = OPTIONS.current
     if options is None or not options.fast_path or model.__dict__.get("_is_replica"):
         return None  # a DataParallel replica is a new object per forward: no plan to reuse
-    state = REGISTRY.models.of(model, FastPathState)
+    state = MODELS.of(model, FastPathState)
     plan = state.plan
     if plan is None or plan.interventions != list(model.interventions.values()):
         if plan is not None:
@@ -332,24 +249,18 @@ def _plan(model) -> Plan | None:
         plan = state.plan = _build(model)
     if plan.refusal is not None:
         return None
-    from .tensor_parallel import is_tensor_parallel  # its fact, found once per model
-
-    return None if is_tensor_parallel(model) else plan
+    return None if is_tensor_parallel(model) else plan  # its fact, found once per model
 
 
 def plan_of(model) -> Plan | None:
     """The plan ``model`` holds now (built at its first call), or None."""
-    state = REGISTRY.models.get(model, FastPathState)
+    state = MODELS.get(model, FastPathState)
     return None if state is None else state.plan
 
 
 def plan_refusal(model) -> str | None:
-    """Why ``model`` takes pyvene's general path, or None where its calls can take the plan."""
-    from pyvene.models.intervenable_modelcard import type_to_module_mapping
-
-    changed = [name for name in WRITTEN_FROM if not _same_source.get(name)]
-    if changed:
-        return f"the installed pyvene's {' and '.join(changed)} differ from 0.1.8's, which the plan does the work of"
+    """Why ``model`` takes pyvene's general path, or None where its calls can take the plan (an entry whose
+    pyvene function is not 0.1.8's sends its own calls there, whatever the model: ``_changed``)."""
     if model.mode != "parallel":
         return f"mode={model.mode!r} (the plan runs pyvene's 'parallel' mode)"
     if model.as_adaptor or model.return_collect_activations:

@@ -5,9 +5,13 @@ Identity is checked against the unpatched code on the same model object: outputs
 gradients to fp32 rounding (one Householder backward instead of three, see fixes.parametrizations).
 """
 
+import collections
 import contextlib
+import sys
+from pathlib import Path
 
 import pytest
+import pyvene
 import torch
 
 import helpers
@@ -74,6 +78,65 @@ def test_head_and_position_units_match_unpatched_pyvene():
     _, plain = model({"input_ids": base}, [{"input_ids": base}], unit_locations=locations)
     assert not torch.equal(stock.logits, plain.logits)  # the interchange does something here
     assert torch.equal(fast.logits, stock.logits)
+
+
+def _pyvene_calls(step) -> collections.Counter:
+    """The Python functions of pyvene's own code (its package's files) that ``step()`` calls, by name."""
+    folder = str(Path(pyvene.__file__).parent)
+    found = collections.Counter()
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(folder):
+            found[frame.f_code.co_name] += 1
+
+    sys.setprofile(profiler)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+def test_after_the_first_call_pyvene_runs_no_python_on_the_way(patched):
+    """The path the fix takes, on the CPU: the first call builds the model's plan (hooks registered once), and
+    every later forward, training step and every-token generate runs none of pyvene's Python (stock pyvene's
+    forward of two interventions makes 48 calls into it: state resets, hook registrations, index building)."""
+    reft = _reft()
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = {"sources->base": (None, [[[1, 4, 7]] * B] * 2)}
+    reft({"input_ids": ids}, unit_locations=locations)  # the plan is built here
+
+    def forward():
+        with torch.no_grad():
+            reft({"input_ids": ids}, unit_locations=locations)
+
+    def train():
+        reft({"input_ids": ids}, unit_locations=locations, labels=ids)[1].loss.backward()
+
+    def generate():
+        reft.generate({"input_ids": ids[:1]}, max_new_tokens=3, do_sample=False)
+
+    for step in (forward, train, generate):
+        calls = _pyvene_calls(step)
+        assert not calls, f"{step.__name__}: {sum(calls.values())} calls into pyvene: {dict(calls.most_common(6))}"
+
+
+def test_an_entry_in_front_of_another_forward_than_0_1_8s_sends_every_call_there(patched):
+    """The entry does the work of pyvene 0.1.8's forward: in front of a forward with another source (another
+    release's), it sends each call to that forward, and the model's plan is not built."""
+    from pyvene_dist.fixes import fast_path
+
+    seen = []
+
+    def forward(self, base, **kwargs):  # another release's forward
+        seen.append(kwargs["unit_locations"])
+        return "its result"
+
+    reft = _reft()
+    ids = torch.randint(models.VOCAB_SIZE, (B, S), generator=torch.Generator().manual_seed(0))
+    locations = {"sources->base": (None, [[[1, 4, 7]] * B] * 2)}
+    assert fast_path._forward_entry(forward)(reft, {"input_ids": ids}, unit_locations=locations) == "its result"
+    assert seen == [locations] and fast_path.plan_of(reft) is None
 
 
 @pytest.mark.gpus(1)

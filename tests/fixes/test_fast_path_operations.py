@@ -1,4 +1,4 @@
-"""On the plan, LoReFT and DiReFT run as the operations of their forwards (``_fast_path_call._operations``), not
+"""On the plan, LoReFT and DiReFT run as the operations of their forwards (``_fast_path_operations.operations``), not
 as their module calls: the same outputs as stock pyvene bit for bit, in eval, in training with dropout and an
 activation, and in generation; and wherever a module call could do something else (a hook, a replaced or
 wrapped forward, a subclass), the module is called, as stock pyvene calls it.
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pyvene_dist
+from pyvene_dist.fixes._fast_path_operations import operations
 from pyvene_dist.testing import models
 
 S = 9
@@ -207,15 +208,13 @@ def test_in_a_jit_trace_the_intervention_is_called_as_a_module(monkeypatch):
     """In a jit trace ``Module._call_impl`` records each module's scope (``_slow_forward``), so the operations
     stand aside there. They ask the test ``_call_impl`` asks, ``torch._C._is_tracing()`` since torch 2.15 (before,
     ``_get_tracing_state()``, which agrees with it): a trace that only it reports sends the call to the module."""
-    from pyvene_dist.fixes._fast_path_call import _operations
-
     intervention = _first(_reft())
     in_trace = []
-    torch.jit.trace(lambda x: in_trace.append(_operations(intervention)) or x * 2, torch.ones(2), check_trace=False)
+    torch.jit.trace(lambda x: in_trace.append(operations(intervention)) or x * 2, torch.ones(2), check_trace=False)
     assert in_trace and in_trace == [None] * len(in_trace)
-    assert _operations(intervention) is not None
+    assert operations(intervention) is not None
     monkeypatch.setattr(torch._C, "_is_tracing", lambda: True)
-    assert _operations(intervention) is None
+    assert operations(intervention) is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
