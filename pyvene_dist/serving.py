@@ -25,7 +25,7 @@ applies, in pyvene's order, every intervention of every ReFT that acts on that m
 naming that ReFT, at their positions: the representations are gathered by row and position
 (advanced indexing), intervened on with pyvene's ``do_intervention`` and written back in place, as
 pyvene's ``unit="pos"`` hooks do. Rows of other ReFTs and bare rows are not touched. The LoReFTs of
-two ReFTs or more at one module go together through batched matmuls (``_StackedLoreft``): a step then
+two ReFTs or more at one module go together through batched matmuls (``_serving_hooks.StackedLoreft``): a step then
 costs the same few kernels whatever the number of ReFTs.
 
 Modes, as pyvene's ``generate`` has them:
@@ -38,7 +38,7 @@ Modes, as pyvene's ``generate`` has them:
   every later forward (with the KV cache, the token just generated) is intervened on.
 
 The rotations of LoReFT and DiReFT are built once per ``generate`` (``parametrize.cached()``, entered as
-``fixes.parametrizations.cached_parametrizations`` enters it for the fast path: under its lock).
+``mechanisms.parametrization_cache.cached_parametrizations`` enters it for the fast path: under its lock).
 
 What it refuses, with the argument named: an unknown ReFT name in ``refts``, a folder whose interventions
 are of another width (another base, another hidden size), a layer the base lacks, weights saved in
@@ -54,13 +54,20 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
+from pyvene import SourcelessIntervention
+from pyvene.models.basic_utils import get_type_from_string
+from pyvene.models.configuration_intervenable_model import RepresentationConfig
+from pyvene.models.modeling_utils import get_dimension_by_component, get_internal_model_type, type_to_module_mapping
 from torch import nn
 
+from . import is_patched, patched
+from ._serving_hooks import left_padded, register_hook, rows_by_module
 from .fixes.checkpoints import read_saved
-from .fixes.parametrizations import cached_parametrizations
+from .mechanisms.parametrization_cache import cached_parametrizations
 
 #: Written by docs/examples/train_reft.py beside the interventions: the positions and shared weights of training.
 SETTINGS = "train_settings.json"
@@ -110,9 +117,7 @@ class MultiReftModel:
         """Load the ReFT that ``ReftModel.save`` wrote to ``folder`` onto this base model, as ``name``.
         ``positions`` (pyreft's ``f1+l1``) and ``share_weights``: as in training; by default from the folder's
         ``train_settings.json`` (docs/examples/train_reft.py writes it)."""
-        import pyreft
-
-        import pyvene_dist
+        import pyreft  # optional: installed where ReFTs are served
 
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty string, found {name!r}")
@@ -131,7 +136,7 @@ class MultiReftModel:
         _check_against_base(self.model, folder, config)
         # pyvene_dist's checkpoints fix restores every weight in the dtype it was saved in (stock pyreft
         # rebuilds LoReFT's learned_source in bfloat16): load under the patch, as serve_reft.py does.
-        patching = contextlib.nullcontext() if pyvene_dist.is_patched() else pyvene_dist.patched()
+        patching = contextlib.nullcontext() if is_patched() else patched()
         with patching:
             reft_model = _load(folder, self.model, config)
         loaded = LoadedReft(name, folder, positions, share_weights,
@@ -177,9 +182,9 @@ class MultiReftModel:
                              "GPU), and the mixed-ReFT hooks run eagerly; pass disable_compile=True or use "
                              "the dynamic cache")
         mask = inputs.get("attention_mask")
-        lengths, offsets = _left_padded(mask, input_ids)
-        calls = _calls(self.refts, refts, lengths, offsets, intervene_on_prompt, input_ids.device)
-        handles = [_register(module, pre, entries, intervene_on_prompt) for (module, pre), entries in calls.items()]
+        lengths, offsets = left_padded(mask, input_ids)
+        calls = rows_by_module(self.refts, refts, lengths, offsets, intervene_on_prompt, input_ids.device)
+        handles = [register_hook(module, pre, entries, intervene_on_prompt) for (module, pre), entries in calls.items()]
         try:
             with cached_parametrizations():
                 return self.model.generate(**inputs, **generate_kwargs)
@@ -211,8 +216,6 @@ def _settings(folder: str) -> dict:
 
 
 def _check_positions(positions) -> None:
-    import re
-
     if not isinstance(positions, str) or not re.fullmatch(r"f\d+\+l\d+|f\d+|l\d+", positions):
         raise ValueError(f"positions: expected pyreft's form, as 'f1+l1', 'f3' or 'l1', found {positions!r}")
 
@@ -220,8 +223,6 @@ def _check_positions(positions) -> None:
 def _representation(config: dict, index: int) -> dict:
     """The saved representation ``index`` by field name (pyvene saves each as a list, in
     ``RepresentationConfig``'s field order)."""
-    from pyvene.models.configuration_intervenable_model import RepresentationConfig
-
     saved = config["representations"][index]
     return dict(zip(RepresentationConfig._fields, saved)) if isinstance(saved, list) else dict(saved)
 
@@ -229,8 +230,6 @@ def _representation(config: dict, index: int) -> dict:
 def _check_against_base(model: nn.Module, folder: str, config: dict) -> None:
     """The saved ReFT fits this base: its layers, the width of each representation (pyvene saves each
     intervention's width; the weights' shapes say it too), and the dtype of its weights."""
-    from pyvene.models.modeling_utils import get_dimension_by_component, get_internal_model_type, type_to_module_mapping
-
     model_type = get_internal_model_type(model)
     mapping = type_to_module_mapping.get(model_type, {})
     layer_count = getattr(model.config, "num_hidden_layers", None)
@@ -277,9 +276,7 @@ def _load(folder: str, model: nn.Module, config: dict):
     NodiReFT, which it cannot rebuild (``KeyError: 'add_bias'``: pyvene saves no constructor argument beyond
     the representation), the same interventions built with ``add_bias`` read from the saved weights (a
     ``proj_layer.bias`` or none), in the dtype saved, and loaded with ``load_intervention``."""
-    import pyreft
-    from pyvene.models.basic_utils import get_type_from_string
-    from pyvene.models.modeling_utils import get_dimension_by_component, get_internal_model_type
+    import pyreft  # optional: installed where ReFTs are served
 
     types = [get_type_from_string(name) for name in config["intervention_types"]]
     if not any(kind.__name__ in NEED_ADD_BIAS for kind in types):
@@ -309,8 +306,6 @@ def _saved_state(folder: str, key: str) -> dict:
 
 
 def _intervention(reft_model, key: str, index: int) -> Intervention:
-    from pyvene import SourcelessIntervention
-
     intervention = reft_model.interventions[key]
     if not isinstance(intervention, SourcelessIntervention):
         raise ValueError(f"intervention {key}: {type(intervention).__name__} takes a source; mixed-ReFT batches "
@@ -331,144 +326,3 @@ def _location_count(first: int, last: int, share_weights: bool, interventions: i
                 f"positions their own interventions (an even number), but {{folder}} holds {interventions}; "
                 "pass share_weights=True if training shared them")
     return None
-
-
-# --- generating -------------------------------------------------------------------------------------------
-
-def _left_padded(mask: torch.Tensor | None, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Each row's prompt length and its left padding, from the attention mask (all ones without one)."""
-    rows, width = input_ids.shape
-    if mask is None:
-        return [width] * rows, [0] * rows
-    if tuple(mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"inputs['attention_mask']: expected shape {tuple(input_ids.shape)} as input_ids, found "
-                         f"{tuple(mask.shape)}")
-    lengths = mask.sum(dim=1).tolist()
-    for row, length in enumerate(lengths):
-        if not bool(mask[row, width - length:].all()):
-            raise ValueError(f"inputs['attention_mask']: row {row} is not padded on the left (found "
-                             f"{mask[row].tolist()}); set tokenizer.padding_side = 'left' for generation")
-    return lengths, [width - length for length in lengths]
-
-
-def _calls(refts: dict, names: Sequence[str | None], lengths, offsets, on_prompt: bool, device) -> dict:
-    """Per hooked (module, pre-hook or not): (intervention, rows, positions) in the order pyvene applies
-    them, for the ReFTs ``names`` uses. Positions are ``[rows, n]`` indices into the batch's tensors (every-token:
-    position 0)."""
-    import pyreft
-
-    calls: dict = {}
-    for name in dict.fromkeys(name for name in names if name is not None):
-        reft = refts[name]
-        rows = [row for row, chosen in enumerate(names) if chosen == name]
-        per_row = None
-        if on_prompt:
-            first, last = pyreft.parse_positions(reft.positions)
-            per_row = []
-            for row in rows:
-                found = pyreft.get_intervention_locations(
-                    last_position=lengths[row], first_n=first, last_n=last, pad_mode="last",
-                    num_interventions=len(reft.interventions), share_weights=reft.share_weights)
-                if any(position >= lengths[row] for where in found for position in where):
-                    raise ValueError(f"inputs: row {row}'s prompt has {lengths[row]} tokens, too few for ReFT {name!r}"
-                                     f"'s positions {reft.positions!r} (pyreft would intervene past its end)")
-                per_row.append([[offsets[row] + position for position in where] for where in found])
-        row_index = torch.tensor(rows, device=device).unsqueeze(1)
-        first_position = torch.zeros_like(row_index)  # every-token: position 0 of each later forward
-        for item in reft.interventions:
-            positions = first_position if per_row is None else torch.tensor([where[item.index] for where in per_row],
-                                                                            device=device)
-            calls.setdefault((item.module, item.pre), []).append((item, row_index, positions))
-    return calls
-
-
-def _register(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
-    """One hook on ``module`` applying every entry's intervention to its rows: on the first call only
-    (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do. The
-    LoReFTs of several ReFTs are applied together where they can be (``_StackedLoreft``)."""
-    from pyvene.models.modeling_utils import do_intervention
-
-    calls = [0]
-    one_by_one, stacked = _stackable(entries)
-
-    def apply(hidden: torch.Tensor) -> None:
-        for item, rows, positions in one_by_one:
-            where = (rows, positions)
-            intervened = do_intervention(hidden[where], None, item.intervention, None)
-            hidden[where] = intervened.to(hidden.dtype)
-        if stacked is not None:
-            stacked.apply(hidden)
-
-    def hook(module, args, kwargs, output=None):
-        first = calls[0] == 0
-        calls[0] += 1
-        if on_prompt != first:
-            return None
-        if pre:
-            hidden = args[0] if args else next(iter(kwargs.values()))
-        else:
-            hidden = output[0] if isinstance(output, tuple) else output
-        apply(hidden)
-        return None
-
-    if pre:
-        return module.register_forward_pre_hook(hook, with_kwargs=True)
-    return module.register_forward_hook(hook, with_kwargs=True)
-
-
-def _stackable(entries: list) -> tuple[list, _StackedLoreft | None]:
-    """The entries to apply one by one, and the LoReFTs to apply together: those of the ReFTs whose every
-    intervention on this module is pyreft's LoReFT with the identity activation (its default), a bias, and one
-    dtype; only where two ReFTs or more are such (one ReFT keeps pyreft's own forward), and each stage's
-    interventions act at as many positions per row (in the prompt, ``f1+l1`` and ``l1`` do; ``l2`` does not)."""
-    import pyreft
-    from transformers.activations import LinearActivation
-
-    def stackable(intervention) -> bool:
-        return (type(intervention) is pyreft.LoreftIntervention and isinstance(intervention.act_fn, LinearActivation)
-                and intervention.learned_source.bias is not None and not intervention.training
-                and len({p.dtype for p in intervention.parameters()}) == 1)
-
-    by_reft: dict = {}
-    for entry in entries:
-        by_reft.setdefault(id(entry[1]), []).append(entry)  # one row tensor per ReFT
-    chosen = [group for group in by_reft.values() if all(stackable(item.intervention) for item, _, _ in group)]
-    if len(chosen) < 2:
-        return entries, None
-    stacked_ids = {id(group[0][1]) for group in chosen}
-    stages = [[(group[stage][0].intervention, group[stage][1], group[stage][2]) for group in chosen
-               if stage < len(group)] for stage in range(max(len(group) for group in chosen))]
-    if any(len({positions.shape[1] for _, _, positions in stage}) > 1 for stage in stages):
-        return entries, None
-    return [entry for entry in entries if id(entry[1]) not in stacked_ids], _StackedLoreft(stages)
-
-
-class _StackedLoreft:
-    """The LoReFTs of several ReFTs at one module in one set of batched matmuls: stage ``j`` applies the ``j``-th
-    LoReFT of each ReFT here to that ReFT's rows at their positions, ``h + (W h + b - R^T h) R^T`` with each
-    row's own ``R``, ``W`` and ``b`` (in the order of pyreft's forward: ``h R``, ``W h + b``, their difference
-    times ``R^T``). The per-row weights are gathered once per ``generate``, at the first call (the rotations are
-    cached for the ``generate`` then), so a step costs the same few kernels whatever the number of ReFTs."""
-
-    def __init__(self, stages: list):
-        self.stages = stages
-        self.weights: list | None = None
-
-    def _stack(self, stage: list) -> tuple:
-        rows = torch.cat([rows for _, rows, _ in stage])
-        positions = torch.cat([positions for _, _, positions in stage])
-        parts = [(intervention.rotate_layer.weight, intervention.learned_source.weight.T,
-                  intervention.learned_source.bias, len(rows)) for intervention, rows, _ in stage]
-        rotation = torch.cat([r.expand(n, *r.shape) for r, _, _, n in parts])
-        source = torch.cat([w.expand(n, *w.shape) for _, w, _, n in parts])
-        bias = torch.cat([b.expand(n, 1, *b.shape) for _, _, b, n in parts])
-        return rows, positions, rotation, source, bias
-
-    def apply(self, hidden: torch.Tensor) -> None:
-        if self.weights is None:
-            self.weights = [self._stack(stage) for stage in self.stages]
-        for rows, positions, rotation, source, bias in self.weights:
-            base = hidden[rows, positions]
-            rotated = torch.bmm(base.to(rotation.dtype), rotation)
-            learned = torch.baddbmm(bias, base, source)
-            hidden[rows, positions] = (base + torch.bmm(learned - rotated, rotation.transpose(1, 2))).to(hidden.dtype)

@@ -29,7 +29,7 @@ import pyreft  # noqa: E402
 import transformers  # noqa: E402
 
 import pyvene_dist  # noqa: E402
-from pyvene_dist import serving  # noqa: E402
+from pyvene_dist import _serving_hooks  # noqa: E402
 from pyvene_dist.serving import SETTINGS, MultiReftModel  # noqa: E402
 from pyvene_dist.testing.models import save_checkpoint  # noqa: E402
 
@@ -165,8 +165,9 @@ def test_each_row_equals_its_reft_alone(many, tokenizer, alone, on_prompt, monke
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     assert len(set(inputs["attention_mask"].sum(1).tolist())) > 2, "the prompts must pad to different lengths"
     stacked = []  # "lo" and "lo2" on layer 0 go through the stacked LoReFT
-    monkeypatch.setattr(serving._StackedLoreft, "apply", lambda self, hidden, apply=serving._StackedLoreft.apply:
-                        stacked.append(len(self.stages)) or apply(self, hidden))
+    stacked_apply = _serving_hooks.StackedLoreft.apply
+    monkeypatch.setattr(_serving_hooks.StackedLoreft, "apply",
+                        lambda self, hidden: stacked.append(len(self.stages)) or stacked_apply(self, hidden))
     ids = many.generate(inputs, refts=ROWS, intervene_on_prompt=on_prompt, **settings(tokenizer, on_prompt))
     assert stacked == ([2] if on_prompt else [2] * (NEW_TOKENS - 1)), stacked
     width = inputs["input_ids"].shape[1]
