@@ -9,7 +9,7 @@ Before DDP or FSDP wraps a module that holds a pyvene model, the ranks exchange 
 their interventions (key, type, layer, component, unit, rank, parameter shapes and dtypes); any
 difference raises ``ValueError`` on every rank, naming the ranks and what differs.
 
-Checked with torch 2.11 (nccl) and 2.13 (gloo).
+Run with nccl and with gloo.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ parameters are released after each forward (``tests/test_deepspeed.py``).
   ``numel()``, 0 for a partitioned parameter (pyreft then divides by zero). They count ``ds_numel``.
 
 pyreft is patched when (and if) it is imported.
-Checked with deepspeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
+Run on the CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ activations move to the device of the representation they intervene on. The wrap
 model's ``hf_device_map``, ``is_parallelizable`` and ``model_parallel``, so HF Trainer sees a model
 parallel model and does not wrap it in ``nn.DataParallel`` (``fixes.wrapper_attributes``).
 
-Checked with accelerate 1.15: CPU with CPU and disk offload, and 2 x H200 split by layers.
+Run on the CPU with CPU and disk offload, and on 2 x H200 split by layers.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ bit-identical) but takes the indices as they come: a tensor is moved to the inde
 on the device. ``device`` is ignored: the indexed tensor's device is the only right one.
 
 ``intervenable_base`` star-imports both names from ``modeling_utils``, so both modules are wrapped.
-
-Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations

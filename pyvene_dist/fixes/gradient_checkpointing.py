@@ -39,8 +39,6 @@ Evaluation, ``torch.no_grad`` and failing forwards keep pyvene's immediate clean
 checkpointing without a checkpoint function to replace (transformers' format before 4.35, which calls
 ``torch.utils.checkpoint`` itself) is refused with an error naming it: its recomputation could not be
 told apart from another forward's.
-
-Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ import weakref
 import torch
 
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from .._registry import MODELS
 from ..mechanisms.checkpoint_functions import APPLYING, checkpoint_functions
 from ..mechanisms.copy_on_write import writing_to_copies
 from ..mechanisms.hook_handles import Kept, keeping, setters_kept_alive
@@ -139,7 +137,7 @@ def _wrap_forward(wrapped, instance, args, kwargs):
     forward.finished = True
     # From here only the replays torch's checkpoints kept hold the lease: the hooks go when nothing can
     # recompute this forward any more (at once if no checkpoint kept a replay), or at unpatch().
-    REGISTRY.models.of(instance, CheckpointingState).pending.add(forward)
+    MODELS.of(instance, CheckpointingState).pending.add(forward)
     weakref.finalize(lease, forward.remove)
     return output
 

@@ -18,7 +18,6 @@ All act on ``transformers.Trainer`` (pyreft's trainers and a plain Trainer alike
 holding a pyvene model. pyreft's ``hf_trainer.diff`` does the same in ``ReftTrainer``, so with it upstream a
 plain Trainer needs pyvene_dist for these (docs/upstreaming.md). Split from the ``trainer`` fix, whose other
 items are ``pyreft_trainer``'s. ``transformers.trainer`` is patched when (and if) it is imported.
-Checked on transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations

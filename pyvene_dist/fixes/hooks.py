@@ -38,8 +38,6 @@ left without an intervention (the matrix found it: training then failed with ``e
 does not require grad``, inference was silently the base model's). ``sdpa``, flash and flex attention
 never compute the probabilities, and transformers 5's eager attention drops them out with
 ``nn.functional.dropout``: the module runs only in ``reorder_and_upcast_attn=True``'s path.
-
-Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from __future__ import annotations
 import transformers
 
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from .._registry import MODELS
 from ..mechanisms.copy_on_write import must_copy, writing_to_copies
 from ..mechanisms.hook_handles import HookState, keeping
 
@@ -66,7 +64,7 @@ FIX = Fix(
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
     handler_list = wrapped(*args, **kwargs)
-    REGISTRY.models.of(instance, HookState).handles.extend(handler_list.handlers)
+    MODELS.of(instance, HookState).handles.extend(handler_list.handlers)
     return handler_list
 
 
@@ -84,7 +82,7 @@ def _wrap_setter_factory(wrapped, instance, args, kwargs):
             hook = writing_to_copies(hooks[handle.id], inputs=must_copy, outputs=must_copy)
             hooks[handle.id] = kept.wrap_hook(hook) if kept is not None and kept.wrap_hook is not None else hook
     if kept is None:
-        REGISTRY.models.of(instance, HookState).handles.extend(handler_list.handlers)
+        MODELS.of(instance, HookState).handles.extend(handler_list.handlers)
         return handler_list
     kept.handles.extend(handler_list.handlers)
     return type(handler_list)([])  # what pyvene removes when its forward returns: nothing
@@ -111,7 +109,7 @@ def _why_attention_probabilities_are_not_computed(config) -> str | None:
 
 
 def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):
-    state = REGISTRY.models.get(instance, HookState)
+    state = MODELS.get(instance, HookState)
     if state is None:
         return
     handles, state.handles = state.handles, []

@@ -43,8 +43,6 @@ pyreft's interventions take ``dtype=`` and default to ``torch.bfloat16``; on a f
 LoReFT's ``learned_source`` failed with ``mat1 and mat2 must have the same dtype``. The same check refuses it
 first, naming the intervention, the layer, both dtypes and the three ways out (``check_intervention_dtypes``),
 once per model and dtype.
-
-Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations

@@ -25,8 +25,6 @@ from containers by ``isinstance`` sees no change. Defining ``__iter__ = None`` w
 refused, but then ``for`` over the old pairs (``for intervention in v``) would fail where it ran before.
 Only ``Intervention`` changes; ``nn.Module`` and a user's own intervention module not derived from it
 are left as they are.
-
-Checked on pyvene 0.1.8 and pyreft 0.1.0.
 """
 
 from __future__ import annotations

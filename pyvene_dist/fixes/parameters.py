@@ -12,8 +12,6 @@ wrapper sees a model without its frozen base. What users see today:
 The fix restores ``nn.Module``'s generator, signature (``prefix``, ``recurse``, ``remove_duplicate``) and
 standard names (``model.…``, ``interventions.<key>.…``). Optimizers still get only what trains: HF
 Trainer keeps parameters with ``requires_grad``, and ``get_trainable_parameters`` is unchanged.
-
-Checked on pyvene 0.1.8 with torch 2.11 and 2.13, transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ another replica's weight, on another GPU (``Expected all tensors to be on the sa
 (``mechanisms.wrapped_models.is_replica``: torch's ``replicate`` marks them) therefore build their weights uncached,
 in forward and in recomputation alike. Applications also run off the main thread (checkpointed recomputation runs on
 the autograd engine's device thread), so entering and leaving the context is serialised by a lock.
-
-Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations

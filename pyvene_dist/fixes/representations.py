@@ -11,7 +11,6 @@ to map it (``pyvene.type_to_module_mapping`` and ``pyvene.type_to_dimension_mapp
 module path instead.
 
 ``intervenable_base`` star-imports ``get_module_hook`` from ``modeling_utils``: both are wrapped.
-Checked on pyvene 0.1.8.
 """
 
 from __future__ import annotations

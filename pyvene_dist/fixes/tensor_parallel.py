@@ -34,7 +34,7 @@ Wraps ``IntervenableModel._wait_for_forward_with_parallel_intervention`` and
 ``..._serial_intervention``, where pyvene registers its hooks: for a model with DTensor parameters, the
 hook registrars it uses (``intervention_hooks``) are swapped, for that call only, for ones that put
 the TP-aware hook around pyvene's. Whether the model has DTensor parameters is found once, at its first
-forward, and kept in its state (``_is_tensor_parallel``). Checked on pyvene 0.1.8, torch 2.13, transformers 5.24 (CPU, gloo).
+forward, and kept in its state (``_is_tensor_parallel``). Run on the CPU (gloo).
 """
 
 from __future__ import annotations

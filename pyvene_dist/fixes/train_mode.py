@@ -5,8 +5,6 @@ evaluation, ``model.training`` never changes, and ``model = model.eval()`` leave
 calls ``model.train()`` every step and ``model.eval()`` before evaluating.
 
 The fix is ``nn.Module.train``: the wrapper, the base model and every intervention follow ``mode``.
-
-Checked on pyvene 0.1.8 with torch 2.11 and 2.13.
 """
 
 from __future__ import annotations

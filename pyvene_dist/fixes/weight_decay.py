@@ -7,8 +7,6 @@ names are standard (``fixes.parameters``), LoReFT's rotation ``...rotate_layer.p
 weight.original`` would be decayed, and one AdamW step makes the rotation exactly zero (see
 ``pyvene_dist.optim``). The fix drops parametrization originals from the decay list of any model that
 holds a pyvene ``IntervenableModel``; other models keep HF Trainer's behaviour untouched.
-
-Checked on transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations

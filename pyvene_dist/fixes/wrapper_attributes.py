@@ -22,8 +22,6 @@ hook returns a copy that is not one, so an intervention writing in place into a 
 (``block_input`` of layer 0) is allowed (``RuntimeError: a leaf Variable that requires grad is being
 used in an in-place operation`` otherwise). ``disable_input_require_grads`` removes it as HF's.
 Interventions surviving the recomputation is ``fixes.gradient_checkpointing``.
-
-Checked with accelerate 1.15, transformers 5.17 and 5.24.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ so one process and DDP disagreed.
 
 The fix is ``nn.Module.zero_grad``, with its signature (``set_to_none=True``), on the whole model: the
 wrapper, the base model and every intervention. pyvene's own ``set_zero_grad()`` is left as it is.
-
-Checked on pyvene 0.1.8 with torch 2.13 and transformers 5.24.
 """
 
 from __future__ import annotations

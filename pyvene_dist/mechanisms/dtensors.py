@@ -11,7 +11,7 @@ import sys
 
 from torch import nn
 
-from .._registry import REGISTRY
+from .._registry import MODELS
 
 
 class TensorParallelState:
@@ -32,7 +32,7 @@ def is_tensor_parallel(intervenable) -> bool:
     ``fully_shard`` of the pyvene model, which may follow a forward, forgets the fact (``fixes.fsdp``)."""
     if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor
         return False
-    state = REGISTRY.models.of(intervenable, TensorParallelState)
+    state = MODELS.of(intervenable, TensorParallelState)
     if state.dtensor_parameters is None:
         state.dtensor_parameters = has_dtensor_parameters(intervenable.model)
     return state.dtensor_parameters
@@ -40,7 +40,7 @@ def is_tensor_parallel(intervenable) -> bool:
 
 def forget_dtensor_parameters(intervenable) -> None:
     """Look again at the next forward (``fully_shard`` made the parameters DTensors)."""
-    state = REGISTRY.models.get(intervenable, TensorParallelState)
+    state = MODELS.get(intervenable, TensorParallelState)
     if state is not None:
         state.dtensor_parameters = None
 

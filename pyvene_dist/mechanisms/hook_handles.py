@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 from typing import Callable, Iterator
 
-from .._registry import REGISTRY
+from .._registry import MODELS
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class HookState:
 @contextlib.contextmanager
 def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kept]:
     kept = Kept(wrap_hook=wrap_hook)
-    state = REGISTRY.models.of(model, HookState)
+    state = MODELS.of(model, HookState)
     state.kept = kept
     try:
         yield kept
@@ -64,5 +64,5 @@ def setters_kept_alive(model, wrap_hook: Callable | None = None) -> Iterator[Kep
 
 
 def keeping(model) -> Kept | None:
-    state = REGISTRY.models.get(model, HookState)
+    state = MODELS.get(model, HookState)
     return None if state is None else state.kept
