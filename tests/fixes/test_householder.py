@@ -158,3 +158,29 @@ def test_other_calls_are_torchs(case):
         assert type(got.grad_fn).__name__ == "_HouseholderProductBackward"
     else:
         assert type(got.grad_fn) is type(stock.grad_fn)
+
+
+def _closed_form_backwards(monkeypatch) -> int:
+    """How many times the closed-form backward runs in one backward of a LoReFT intervention built now."""
+    calls = []
+    backward = householder._HouseholderProduct.backward
+    monkeypatch.setattr(householder._HouseholderProduct, "backward",
+                        staticmethod(lambda ctx, grad: calls.append(grad.shape) or backward(ctx, grad)))
+    reft = models.reft_model(models.tiny_llama(hidden=64), layers=(0,), seed=1)
+    intervention = next(iter(reft.interventions.values()))
+    base = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    intervention(base).square().sum().backward()
+    assert intervention.rotate_layer.parametrizations.weight.original.grad.abs().max() > 0
+    return len(calls)
+
+
+def test_a_loreft_backward_takes_the_closed_form(patched, monkeypatch):
+    """The path the fix takes on the CPU (on a GPU the rotation's graphs take the closed form whatever is applied):
+    a LoReFT intervention's backward runs the closed form, through orthogonal's eager rotation. It fails
+    under PYVENE_DIST_TEST_WITHOUT=householder, where the next test's torch backward runs instead."""
+    assert _closed_form_backwards(monkeypatch) > 0
+
+
+def test_without_the_fix_a_loreft_backward_is_torchs(monkeypatch):
+    with pyvene_dist.patched(exclude=["householder"]):
+        assert _closed_form_backwards(monkeypatch) == 0
