@@ -35,8 +35,6 @@ Anything else takes pyvene's (patched) general path: the call or the model names
 Its parts, one way down: this module (the record, the entries, the plan's building, its state ``FastPathState``);
 ``_fast_path_decoding`` (the compiled decoding step); ``_fast_path_call`` (``Plan``, one call's locations and the
 hook); ``_fast_path_operations`` (LoReFT and DiReFT as their operations). None of them imports one above it.
-
-Checked on pyvene 0.1.8 and pyreft 0.1.0 with torch 2.13.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ nothing (pyvene's rotations are then torch's). A user's own orthogonal layer in 
 forward and backward, double backward included.
 
 The slow backward is torch's (``householder_product_backward``), which pyvene and pyreft do not own:
-this concern has no upstream diff (``docs/upstreaming.md``). Checked with torch 2.11 and 2.13.
+this concern has no upstream diff (``docs/upstreaming.md``).
 """
 
 from __future__ import annotations
