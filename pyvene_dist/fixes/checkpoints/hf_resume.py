@@ -5,8 +5,7 @@ Resuming HF Trainer from a ``ReftTrainer`` checkpoint fails with ``ValueError: C
 now loads ``intervenable_model/`` through ``load_intervention``, which prefers the exact states file
 (``intervention_files``), so that the resumed run continues exactly where the optimizer's state left it.
 
-Wraps ``transformers.trainer.Trainer._load_from_checkpoint``. Checked on pyreft 0.1.0 with transformers 5.17 and
-5.24.
+Wraps ``transformers.trainer.Trainer._load_from_checkpoint``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ intervention's own device, into the existing parameters, exactly.
 - Files are read with ``weights_only=True``; an unreadable one raises ``UnreadableCheckpointError`` naming it.
 
 Replaces ``pyvene.models.intervenable_base.IntervenableModel.save_intervention`` and ``load_intervention``.
-Checked on pyvene 0.1.8.
 """
 
 from __future__ import annotations

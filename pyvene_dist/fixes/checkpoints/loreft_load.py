@@ -7,7 +7,7 @@ folder saved under DeepSpeed's bf16 mode failed to load there with ``NotImplemen
 implemented for 'BFloat16'``), and exactly: the reloaded weight is the saved rotation bit for bit
 (``load_rotation``); the rest in place.
 
-Replaces ``pyreft.interventions.LoreftIntervention.load_state_dict``. Checked on pyreft 0.1.0.
+Replaces ``pyreft.interventions.LoreftIntervention.load_state_dict``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ checkpoints included). When nested, it now gives ``nn.Module``'s entries; called
 as a module where the rotation is whole here: ZeRO-3's module hooks run on that call, and on rank 0 alone
 (``if rank == 0: reft_model.save(...)``) they left the ranks out of step, so the next collective hung.
 
-Wraps ``pyreft.interventions.LoreftIntervention.state_dict``. Checked on pyreft 0.1.0.
+Wraps ``pyreft.interventions.LoreftIntervention.state_dict``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   pyvene model inside whatever wraps it.
 
 Replaces ``pyreft.reft_trainer.ReftTrainer.save_model`` and ``ReftTrainerForCausalLMDistributed.save_model``, wraps
-``ReftTrainer._load_best_model``. Checked on pyreft 0.1.0 with transformers 5.17 and 5.24.
+``ReftTrainer._load_best_model``.
 """
 
 from __future__ import annotations

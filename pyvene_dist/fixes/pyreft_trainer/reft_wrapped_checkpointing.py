@@ -6,8 +6,7 @@ the wrapper: ``AttributeError: 'DistributedDataParallel' object has no attribute
 pyreft's trainers (``ReftTrainer.train``, added) enable it on the pyvene model inside a wrapper that has no enabler
 of its own, with the arguments' checkpointing keywords, and switch the arguments' flag off while ``Trainer.train``
 runs (then back on), so that HF does not ask the wrapper. Both names of the flag are switched
-(``activation_checkpointing``, which transformers 5.24 reads, and its alias ``gradient_checkpointing``); checked on
-5.24 only.
+(``activation_checkpointing``, which transformers 5.24 reads, and its alias ``gradient_checkpointing``).
 
 pyreft is patched when (and if) it is imported.
 """
