@@ -133,3 +133,103 @@ def test_an_import_cycle_is_found(tmp_path):
     (package / "b.py").write_text("from .a import thing\n\ndef later():\n    from . import c\n")
     (package / "c.py").write_text("import loop.b\n")
     assert import_cycles(package) == [["loop.a", "loop.b", "loop.a"]]
+
+
+def imported_modules(path: Path, module: str, known) -> list[tuple[int, str]]:
+    """(line, module) for each module of ``known`` that ``path`` (the module ``module``) imports, anywhere in it
+    (at its top, in a function, under ``TYPE_CHECKING``): ``from . import x`` names module ``x`` where ``x`` is
+    one, else the package it is read from."""
+    import ast
+
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = module if is_package else module.rsplit(".", 1)[0]
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            prefix = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+            targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix
+                       for alias in node.names]
+        else:
+            continue
+        found += sorted({(node.lineno, target) for target in targets if target in known and target != module})
+    return found
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _code_owner(module: str, public: set[str]) -> str:
+    """The fix (or group of fixes) whose code ``module`` is: itself where it is a fix; a private part
+    ``_<fix>_*`` its fix's; another private module, or a group's ``__init__``, its group's (the package)."""
+    package, _, stem = module.rpartition(".")
+    if not stem.startswith("_"):
+        return module  # a fix, or a group package itself
+    owners = [name for name in public if name.rpartition(".")[0] == package and stem.startswith(f"_{name.rpartition('.')[2]}_")]
+    return max(owners, key=len, default=package)
+
+
+def fix_import_problems(package: Path) -> list[str]:
+    """Each import of a fix module (or of the fix-selection package) by another fix, or by a module of
+    ``mechanisms``: a fix is its record and its wiring over ``mechanisms``; it may import only its own private
+    parts (``_<fix>_*.py``), and a fix of a group (a package under ``fixes/``) its group's private modules."""
+    fixes_folder, mechanisms = package / "fixes", package / "mechanisms"
+    selection = f"{package.name}.fixes"
+    fix_modules = {_module_name(path, package): path for path in fixes_folder.rglob("*.py")
+                   if path != fixes_folder / "__init__.py"}
+    public = {name for name, path in fix_modules.items() if not path.stem.startswith("_")}
+    known = set(fix_modules) | {selection}
+    importers = {**fix_modules, **{_module_name(path, package): path for path in mechanisms.rglob("*.py")}}
+    problems = []
+    for module, path in sorted(importers.items()):
+        for line, target in imported_modules(path, module, known):
+            if module in fix_modules and target != selection:
+                mine, theirs = _code_owner(module, public), _code_owner(target, public)
+                group = module.rpartition(".")[0] if path.name != "__init__.py" else module
+                if theirs == mine or (theirs == group and group != selection):
+                    continue  # a fix and its private parts; a group's fix and the group's private modules
+            what = "the fix-selection package" if target == selection else f"the fix module {target}"
+            problems.append(f"{path.relative_to(package.parent)}:{line}: {module} imports {what}")
+    return problems
+
+
+def test_no_fix_imports_another_fix():
+    """A fix is its record and its wiring; what two fixes share is a mechanism (``pyvene_dist/mechanisms``),
+    which imports no fix, so that leaving a fix out (``exclude=``) leaves out all of its code."""
+    import pyvene_dist
+
+    problems = fix_import_problems(Path(pyvene_dist.__file__).parent)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_fix_importing_another_fix_is_named(tmp_path):
+    package = tmp_path / "layered"
+    (package / "fixes").mkdir(parents=True)
+    (package / "mechanisms").mkdir()
+    for path in ("__init__.py", "fixes/__init__.py", "mechanisms/__init__.py", "_records.py", "fixes/b.py",
+                 "fixes/_b_part.py"):
+        (package / path).write_text("")
+    (package / "fixes/a.py").write_text("from .._records import Fix\nfrom ..mechanisms import shared\n\n\n"
+                                        "def later():\n    from .b import thing\n    from . import carried\n")
+    (package / "fixes/c.py").write_text("import layered.fixes.b\nfrom ._b_part import x\n")
+    (package / "fixes/b.py").write_text("from ._b_part import x\n")
+    (package / "mechanisms/shared.py").write_text("from ..fixes import a\n")
+    (package / "fixes/group").mkdir()
+    (package / "fixes/group/__init__.py").write_text("from ._shared import x\n")
+    (package / "fixes/group/_shared.py").write_text("")
+    (package / "fixes/group/d.py").write_text("from ._shared import x\nfrom . import e\nfrom ..b import y\n")
+    (package / "fixes/group/e.py").write_text("")
+    assert fix_import_problems(package) == [
+        "layered/fixes/a.py:6: layered.fixes.a imports the fix module layered.fixes.b",
+        "layered/fixes/a.py:7: layered.fixes.a imports the fix-selection package",
+        "layered/fixes/c.py:1: layered.fixes.c imports the fix module layered.fixes.b",
+        "layered/fixes/c.py:2: layered.fixes.c imports the fix module layered.fixes._b_part",
+        "layered/fixes/group/d.py:2: layered.fixes.group.d imports the fix module layered.fixes.group.e",
+        "layered/fixes/group/d.py:3: layered.fixes.group.d imports the fix module layered.fixes.b",
+        "layered/mechanisms/shared.py:1: layered.mechanisms.shared imports the fix module layered.fixes.a",
+    ]

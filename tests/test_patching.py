@@ -233,6 +233,7 @@ def test_an_old_fix_name_stands_for_the_fixes_it_became(old, new):
     from pyvene_dist import fixes
 
     every = {fix.name for fix in fixes.fixes()}
+    new = {fix for name in new for fix in fixes.groups().get(name, (name,))}  # pyreft_trainer is a group now
     with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
         assert {fix.name for fix in fixes.select(exclude=[old])} == every - new - fixes.upstreamed()
     with pytest.warns(DeprecationWarning, match=rf"'{old}' is now "):
@@ -260,7 +261,7 @@ def test_a_package_carrying_the_old_trainer_name_carries_both_halves(tmp_path, m
     package.mkdir()
     (package / "__init__.py").write_text('FIXES = frozenset({"trainer", "deepspeed"})\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert fixes.carried_fixes(package.name) == {"pyreft_trainer", "hf_trainer", "deepspeed"}
+    assert fixes.carried_fixes(package.name) == {*fixes.groups()["pyreft_trainer"], "hf_trainer", "deepspeed"}
 
 
 def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_carry(monkeypatch):
@@ -314,17 +315,17 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
         "import sys, pyvene, wrapt, pyvene_dist\n"
         "from pyvene.models.intervenable_base import BaseModel\n"
         "from pyvene_dist._registry import APPLIED, OPTIONS, UNDO_LOG, FixError\n"
-        "from pyvene_dist.fixes import pyreft_trainer\n"
+        "from pyvene_dist.fixes.pyreft_trainer import reft_classifier_evaluate\n"
         "original = vars(BaseModel)['named_parameters']\n"
         "pyvene_dist.patch()\n"
-        "del pyreft_trainer._wrap_evaluate\n"
+        "del reft_classifier_evaluate._wrap_evaluate\n"
         "try:\n"
         "    import pyreft\n"
         "except FixError as error:\n"
         "    message = str(error)\n"
         "else:\n"
         "    raise SystemExit('import pyreft did not fail')\n"
-        "assert \"fix 'pyreft_trainer' failed when pyreft.reft_trainer was imported\" in message, message\n"
+        "assert \"fix 'reft_classifier_evaluate' failed when pyreft.reft_trainer was imported\" in message, message\n"
         "assert \"names '_wrap_evaluate'\" in message and 'every fix was undone' in message, message\n"
         "assert not pyvene_dist.is_patched() and not UNDO_LOG.sites and not APPLIED.names and OPTIONS.current is None\n"
         "assert not [finder for finder in sys.meta_path if type(finder).__name__ == 'ImportHook'], sys.meta_path\n"
@@ -341,56 +342,67 @@ def test_no_fix_rebinds_a_module_global():
 
     folder = Path(__file__).resolve().parents[1] / "pyvene_dist" / "fixes"
     found = [f"{path.name}:{node.lineno} global {', '.join(node.names)}"
-             for path in sorted(folder.glob("*.py"))
+             for path in sorted(folder.rglob("*.py"))
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, (ast.Global, ast.Nonlocal))]
     assert not found, f"fixes rebinding module globals: {found}"
 
 
-#: Fixes whose module another fix's code uses without naming it in ``requires`` or ``after``, and why.
-USES_WITHOUT_RECORD = {
-    ("orthogonal", "householder"): "householder requires orthogonal; orthogonal takes its backward only where "
-                                   "REGISTRY.applied names householder",
-    ("checkpoints", "deepspeed"): "take_partitioned_dtype is part of a load: interventions restored in their saved "
-                                  "dtypes must take a ZeRO-3 bf16 partition's dtype again, whether or not "
-                                  "deepspeed's wraps are applied (pyvene's checkpoints.diff does the same)",
-}
-
-
-def _fixes_used(path: Path, fix_names: set[str]) -> set[str]:
-    """The other fix modules ``path``'s code imports, anywhere in it: ``from . import x`` (then ``x.f()``),
-    ``from .x import f``, and the same from ``pyvene_dist.fixes``."""
+def applied_checks(source: str, names: set[str]) -> set[str]:
+    """The fix names of ``names`` that ``source`` asks ``APPLIED`` about (``"hooks" in APPLIED``, ``not in``,
+    also through ``REGISTRY.applied``): the code that acts only where another fix is applied. No fix imports
+    another (tests/test_layout.py), so this is how one fix's code depends on another's being there."""
     import ast
 
-    used = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            package = "." * node.level + (node.module or "")
-            package = package.replace("pyvene_dist.fixes", ".", 1) if package.startswith("pyvene_dist.fixes") else package
-            if package in (".", "..fixes"):
-                used.update(alias.name for alias in node.names)
-            elif package.startswith("."):
-                used.add(package.lstrip(".").removeprefix("fixes.").split(".")[0])
-    return used & fix_names
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))):
+            continue
+        target, (container,) = node.left, node.comparators
+        named = container.id if isinstance(container, ast.Name) else getattr(container, "attr", None)
+        if named in ("APPLIED", "applied") and isinstance(target, ast.Constant) and target.value in names:
+            found.add(target.value)
+    return found
+
+
+def shared_sites(fix, records) -> set[str]:
+    """The fixes whose wrap an ``entry`` site of ``fix`` stacks on (the same attribute): applied before it."""
+    entries = {site.path for site in fix.places if site.kind == "entry"}
+    return {other.name for other in records.values()
+            if other is not fix and any(site.path in entries and site.kind != "entry" for site in other.places)}
+
+
+def fixes_used(fix, records) -> set[str]:
+    """What ``fix``'s code uses of other fixes: those it asks ``APPLIED`` about (in its module and its private
+    parts, ``_<fix>_*.py``) and those whose wraps its entries stack on."""
+    path = Path(sys.modules[fix.module].__file__)
+    sources = [path, *path.parent.glob(f"_{fix.name}_*.py")]
+    names = set(records) - {fix.name}
+    return set().union(*(applied_checks(source.read_text(), names) for source in sources)) | shared_sites(fix, records)
 
 
 def test_each_fix_records_the_fixes_its_code_uses():
-    """``requires`` (applied with it) or ``after`` (used where applied, or their state kept coherent) names every
-    fix whose module a fix's code imports, or ``USES_WITHOUT_RECORD`` says why not: ``exclude=`` then means
-    what it says (``fsdp`` ran ``consistency``'s check with ``consistency`` excluded)."""
+    """``requires`` (applied with it) or ``after`` (used where applied, applied before it) names every fix whose
+    application a fix's code asks about or whose wrap its entry stacks on, so ``exclude=`` means what it says
+    (``fsdp`` ran ``consistency``'s check with ``consistency`` excluded); and each name in ``after`` is such a
+    use, so the record says why it is there (``orthogonal`` named ``householder`` nowhere while it branched on
+    it, and ``householder`` required ``orthogonal``)."""
     from pyvene_dist import fixes
 
     records = fixes.by_name()
-    folder = Path(fixes.__file__).parent
-    unrecorded = sorted(
-        f"{name} uses {other}" for name, fix in records.items()
-        for path in (folder / f"{name}.py", *folder.glob(f"_{name}_*.py"))  # with its private parts
-        for other in _fixes_used(path, set(records) - {name})
-        if other not in fix.requires + fix.after and (name, other) not in USES_WITHOUT_RECORD)
+    used = {name: fixes_used(fix, records) for name, fix in records.items()}
+    unrecorded = sorted(f"{name} uses {other}" for name, fix in records.items() for other in used[name]
+                        if other not in fix.requires + fix.after)
     assert not unrecorded, f"fixes using others their record does not name: {unrecorded}"
-    stale = sorted(pair for pair in USES_WITHOUT_RECORD if pair[1] not in _fixes_used(folder / f"{pair[0]}.py", {pair[1]}))
-    assert not stale, f"USES_WITHOUT_RECORD lists uses the code no longer has: {stale}"
+    unused = sorted(f"{name} is after {other}" for name, fix in records.items() for other in fix.after
+                    if other not in used[name])
+    assert not unused, f"records naming in `after` a fix their code does not use: {unused}"
 
+
+def test_a_use_of_another_fix_is_found():
+    source = ('if "hooks" in APPLIED and "devices" not in REGISTRY.applied:\n    pass\n'
+              'x = "locations" in names\ny = "zero_grad" in APPLIED\n')
+    assert applied_checks(source, {"hooks", "devices", "locations", "orthogonal"}) == {"hooks", "devices"}
 
 
 def test_no_fix_copies_a_reexport_site_by_hand():

@@ -34,7 +34,7 @@ decoder layer. Sharding only ``reft_model.model`` leaves the interventions' grad
 The gradient-averaging hooks are kept in the pyvene model's state (``FsdpState.reduced``):
 they are removed by ``unpatch()``, and when the model is garbage collected.
 
-Checked with torch 2.11 (2 x H200, nccl) and 2.13 (CPU, gloo).
+Run on 2 x H200 (nccl) and on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .._records import Fix, Site
-from .._registry import REGISTRY
+from .._registry import APPLIED, MODELS
 from ..quantized import refuse_unshardable
 from ..mechanisms.dtensors import forget_dtensor_parameters
 from ..mechanisms.own_dtype import compute_in_own_dtype
@@ -62,9 +62,9 @@ FIX = Fix(
         Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
              "_wrap_fsdp1_init"),
     ),
-    # consistency: its check of the ranks' interventions, where that fix is applied; tensor_parallel: its
-    # record of a model's DTensor parameters, reset when fully_shard makes some.
-    after=("consistency", "tensor_parallel"),
+    # consistency: its check of the ranks' interventions, where that fix is applied. (A model's DTensor record,
+    # reset when fully_shard makes some, is mechanisms.dtensors', whichever fixes read it.)
+    after=("consistency",),
     state="FsdpState",
 )
 
@@ -95,7 +95,7 @@ def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def _check_same_interventions(module, group) -> None:
     """``consistency``'s check as FSDP wraps ``module``, where that fix is applied (``exclude=["consistency"]``
     leaves it out under FSDP as under DDP)."""
-    if "consistency" in REGISTRY.applied:
+    if "consistency" in APPLIED:
         check_same_interventions(module, group)
 
 
@@ -157,7 +157,7 @@ def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: lis
         size *= dist.get_world_size(group)
     for model in models:
         model.interventions.to(device)
-        reduced = REGISTRY.models.of(model, FsdpState).reduced
+        reduced = MODELS.of(model, FsdpState).reduced
         for parameter in model.interventions.parameters():
             if parameter.requires_grad and not _averaged(parameter):
                 reduced[parameter] = parameter.register_post_accumulate_grad_hook(_averager(groups, size))
@@ -166,7 +166,7 @@ def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: lis
 def _averaged(parameter: nn.Parameter) -> bool:
     """Whether some pyvene model's state already averages ``parameter``'s gradient (a second FSDP wrap,
     or interventions that two models share)."""
-    return any(parameter in state.reduced for state in REGISTRY.models.all(FsdpState))
+    return any(parameter in state.reduced for state in MODELS.all(FsdpState))
 
 
 def _averager(groups: list, size: int):

@@ -71,10 +71,10 @@ from ..mechanisms.rotation_graphs import HALF, replayed
 FIX = Fix(
     __name__,
     sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
-    # gradient_checkpointing: stays eager in its checkpointed forwards, which only that fix marks
-    # (mechanisms.checkpoint_functions.in_checkpointed_forward). householder: the eager rotation takes the
-    # closed-form backward where that fix is applied (APPLIED names it). One way: neither requires this one.
-    after=("gradient_checkpointing", "householder"),
+    # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
+    # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
+    # forwards, which mechanisms.checkpoint_functions tells, set where gradient_checkpointing is applied.)
+    after=("householder",),
     state="OrthogonalState",
     # off: LoReFT's rotation stays eager on CUDA (no graphs captured)
     options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
