@@ -19,5 +19,5 @@ trainable base weights that ``include_model`` writes (``_base_weights``).
 from ._files import (INTERVENTIONS_DIR, MODEL_FILE, SAVED_STATES_FILE, STATES_FILE, UnreadableCheckpointError,
                      read_saved)
 
-__all__ = ["INTERVENTIONS_DIR", "MODEL_FILE", "SAVED_STATES_FILE", "STATES_FILE", "UnreadableCheckpointError",
-           "read_saved"]
+__all__ = ("INTERVENTIONS_DIR", "MODEL_FILE", "SAVED_STATES_FILE", "STATES_FILE", "UnreadableCheckpointError",
+           "read_saved")

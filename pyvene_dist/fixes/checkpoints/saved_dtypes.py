@@ -20,8 +20,7 @@ it was saved in.
 - ``load`` reads every file with ``weights_only=True`` first; an unreadable one raises
   ``UnreadableCheckpointError`` naming it (``_files``), before the user's model is touched.
 
-Wraps ``pyvene.models.intervenable_base.IntervenableModel.save`` and ``load``. Checked on pyvene 0.1.8 and pyreft
-0.1.0 with transformers 5.17 and 5.24.
+Wraps ``pyvene.models.intervenable_base.IntervenableModel.save`` and ``load``.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from ..._records import Fix, Site
 from ...gather import gathered, is_main_process
 from ...mechanisms.arguments import bound
 from ...mechanisms.own_dtype import compute_in_own_dtype, floating_dtype
+from ...mechanisms.partitioned_dtype import take_partitioned_dtype
 from ._base_weights import loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights, whole_copies
 from ._files import MODEL_FILE, SAVED_STATES_FILE, check_readable, cpu_copies, device_of, read_saved
 
@@ -114,10 +114,8 @@ def _restore_as_saved(model, directory: str) -> None:
     """Every intervention's parameters in the dtype and with the values they were saved with: from
     ``intervention_states.pt`` where ``save`` wrote it, else from each intervention's own file, read
     again where pyvene had loaded it into another dtype. A base model that ZeRO-3 partitioned in bf16 or
-    fp16 (``zero.Init``) then gives the interventions its dtype, as DeepSpeed needs (``fixes.deepspeed``);
+    fp16 (``zero.Init``) then gives the interventions its dtype, as DeepSpeed needs (``mechanisms.partitioned_dtype``);
     one partitioned in float32 (HF's ``from_pretrained`` while a ZeRO-3 ``TrainingArguments`` lives) does not."""
-    from ..deepspeed import take_partitioned_dtype
-
     states_file = os.path.join(directory, SAVED_STATES_FILE)
     if os.path.exists(states_file):
         state = read_saved(states_file)
