@@ -533,3 +533,63 @@ def test_unpatch_empties_every_job_of_the_registry():
     environment = {name: value for name, value in os.environ.items() if name != "PYVENE_DIST_CUDA_GRAPHS"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment)
     assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def test_no_fix_reads_the_composite_registry():
+    """A fix, or a mechanism, reads the one job it needs from ``_registry`` (``MODELS``, ``APPLIED``,
+    ``OPTIONS``, ``UNDO_LOG``), not the composite ``REGISTRY`` that held all five before the split."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "pyvene_dist"
+    found = [f"{path.relative_to(package)}:{node.lineno}"
+             for folder in ("fixes", "mechanisms") for path in sorted((package / folder).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Name) and node.id == "REGISTRY"
+             or isinstance(node, ast.alias) and node.name == "REGISTRY"]
+    assert not found, f"reading REGISTRY: {found}"
+
+
+def test_no_fix_docstring_types_the_releases_it_was_checked_on():
+    """The releases a fix was checked on are the fingerprints table's (``pyvene-dist fixes`` shows them); a
+    docstring that types them as well goes out of step with it (hooks said torch 2.11 and 2.13 where the table
+    recorded pyvene 0.1.8 alone)."""
+    import re
+
+    from pyvene_dist import fixes
+
+    typed = [fix.module for fix in fixes.fixes()
+             if re.search(r"\b[Cc]hecked (?:on|with)\b[^.]*?\d+\.\d+", sys.modules[fix.module].__doc__ or "")]
+    assert not typed, f"fix docstrings typing releases: {typed}"
+
+
+def test_two_fixes_entries_on_one_attribute_stack_and_unpatch_restores_the_original(monkeypatch):
+    """Entries of two fixes on one attribute stack, the later outside (orthogonal and deepspeed each act after
+    IntervenableModel.load, around the wrap of another fix); applying the same entry again adds nothing, and
+    restoring gives back the original itself."""
+    import types
+
+    from pyvene_dist._registry import UndoLog
+
+    owner = types.SimpleNamespace()
+
+    def original(value):
+        return [value]
+
+    owner.f = original
+
+    def first(current):
+        def first_entry(value):
+            return current(value) + ["first"]
+        return first_entry
+
+    def second(current):
+        def second_entry(value):
+            return current(value) + ["second"]
+        return second_entry
+
+    log = UndoLog()
+    for make_entry in (first, second, first, second):
+        log.enter(owner, "f", make_entry)
+    assert owner.f(0) == [0, "first", "second"]
+    log.restore_all()
+    assert owner.f is original
