@@ -133,10 +133,14 @@ class UndoLog:
 
     def enter(self, owner: Any, attribute: str, make_entry: Callable[[Any], Callable]) -> None:
         """Put the plain function ``make_entry(current)`` in place of ``owner.attribute`` (``Site`` kind
-        ``entry``), once: ``current`` is what the owner holds now, possibly another fix's wrap."""
+        ``entry``), once per ``make_entry``: ``current`` is what the owner holds now, possibly another fix's wrap or
+        entry (two fixes' entries stack, the later outside)."""
         current = vars(owner).get(attribute, _MISSING)
-        if is_entry(current):
-            return
+        held = current
+        while is_entry(held):
+            if held.__pyvene_dist_made_by__ is make_entry:
+                return
+            held = held.__wrapped__
         if current is _MISSING:
             raise _not_defined(owner, attribute)
         entry = make_entry(current)
@@ -144,6 +148,7 @@ class UndoLog:
             raise TypeError(f"the entry for {qualified_name(owner)}.{attribute} is {entry!r}, expected a plain function")
         functools.update_wrapper(entry, getattr(current, "__wrapped__", current))
         entry.__wrapped__, entry.__pyvene_dist_entry__ = current, True  # inspect.signature follows __wrapped__
+        entry.__pyvene_dist_made_by__ = make_entry
         setattr(owner, attribute, entry)
         self._sites.append(Wrap(owner, attribute, current, entry))
 

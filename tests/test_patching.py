@@ -591,5 +591,5 @@ def test_two_fixes_entries_on_one_attribute_stack_and_unpatch_restores_the_origi
     for make_entry in (first, second, first, second):
         log.enter(owner, "f", make_entry)
     assert owner.f(0) == [0, "first", "second"]
-    log.restore_all()
+    log.restore()
     assert owner.f is original

@@ -23,6 +23,8 @@ Run on the CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import IntervenableModel
+
 from .._records import Fix, Site
 from ..mechanisms.partitioned_dtype import take_partitioned_dtype
 
@@ -33,11 +35,15 @@ FIX = Fix(
              reexported_in=("pyvene.models.intervenable_base",)),
         Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
         Site("pyvene.models.intervenable_base:IntervenableModel.__init__", "_wrap_model_init"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry"),
         Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",  # pyreft's own copy of pyvene's
              kind="replace"),
         Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
              kind="replace"),
     ),
+    # saved_dtypes: its wrap of IntervenableModel.load restores the saved dtypes; this fix's entry, outside it,
+    # then gives the interventions a ZeRO-3 partition's dtype again.
+    after=("saved_dtypes",),
     upstream=("pyvene", "pyreft"),
 )
 
@@ -73,3 +79,18 @@ def _wrap_print_trainable_parameters(wrapped, instance, args, kwargs):
 def _wrap_model_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     take_partitioned_dtype(instance)
+
+
+def _load_entry(load):
+    """``IntervenableModel.load`` (a static method), then the partitioned dtype again: a load restores each
+    intervention's saved dtype (the ``saved_dtypes`` fix), float32 where it was saved so, which a ZeRO-3 bf16 base
+    refuses at ``deepspeed.initialize``. Harmless twice: a parameter in that dtype is left alone."""
+
+    load = load.__get__(None, IntervenableModel)  # as the class gives it: a wrap of it then binds as it expects
+
+    def load_in_the_partitioned_dtype(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        take_partitioned_dtype(loaded)
+        return loaded
+
+    return load_in_the_partitioned_dtype

@@ -321,3 +321,20 @@ def test_zero3_with_replayed_rotations_matches_eager_rotations(dtype):
         assert all(staged), f"captures (staged or not): {staged}"
     print(f"zero3 {dtype}, replayed against eager: {differences(runs[False], runs[True])}")
     assert_parity(runs[False], runs[True], case.tolerance)
+
+
+def test_a_load_onto_a_zero3_half_precision_base_takes_its_dtype(patched, tmp_path):
+    """pyvene's load restores each intervention's saved dtype (float32 here); onto a base ZeRO-3 partitioned in
+    bf16 (``zero.Init`` marks each parameter with ``ds_id``) the interventions then take bf16 again, as
+    ``deepspeed.initialize`` needs (stage 3's defragment asserts one dtype). Checked on the load's result
+    directly: pyreft's ReftModel.load builds a new model, whose __init__ would give it the dtype anyway."""
+    import pyvene
+
+    from pyvene_dist.testing import models
+
+    models.reft_model(models.tiny_llama(), layers=(0,)).save(str(tmp_path))
+    base = models.tiny_llama(dtype=torch.bfloat16)
+    for parameter in base.parameters():
+        parameter.ds_id = 0  # as zero.Init marks a partitioned parameter
+    loaded = pyvene.IntervenableModel.load(str(tmp_path), base)
+    assert {p.dtype for p in loaded.interventions.parameters()} == {torch.bfloat16}
