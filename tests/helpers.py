@@ -49,7 +49,7 @@ def patch_upstream(folder: Path) -> None:
 
     import pyvene_dist
     from pyvene_dist import fixes
-    from pyvene_dist._registry import REGISTRY
+    from pyvene_dist._registry import UNDO_LOG
 
     for module in (pyvene, pyreft):
         if not Path(module.__file__).resolve().is_relative_to(folder.resolve()):
@@ -58,7 +58,7 @@ def patch_upstream(folder: Path) -> None:
     if not_carried:
         raise RuntimeError(f"the copies in {folder} do not report carrying {not_carried} in their FIXES")
     pyvene_dist.patch(only=[fix.name for fix in fixes.fixes() if not fix.upstream])
-    touched = [site.name for site in REGISTRY.sites if site.name.startswith(("pyvene", "pyreft"))]
+    touched = [site.name for site in UNDO_LOG.sites if site.name.startswith(("pyvene", "pyreft"))]
     tensor_parallel = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in (
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
     base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
