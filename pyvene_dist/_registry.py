@@ -14,8 +14,7 @@
 - ``OPTIONS`` (``CurrentOptions``): the ``Options`` ``patch()`` resolved, which the fixes read at run time.
 
 ``Fix.patch`` is handed the undo log and the import hooks; the fixes' code reads ``MODELS``, ``APPLIED`` and
-``OPTIONS``. This is the one module of pyvene_dist that holds mutable module state. ``REGISTRY`` (``Registry``)
-is the five together, as the fixes reached them before the split.
+``OPTIONS``. This is the one module of pyvene_dist that holds mutable module state.
 """
 
 from __future__ import annotations
@@ -260,20 +259,15 @@ class CurrentOptions:
         self.current: Options | None = None
 
 
-def _restore(undo_log: UndoLog, import_hooks: ImportHooks, models: ModelStates, applied: Applied,
-             options: CurrentOptions) -> None:
-    undo_log.restore()  # first: refuses, changing nothing, while a site was replaced
-    import_hooks.clear()
-    applied.clear()
-    options.current = None
-    models.close_all()
-
-
 def restore_all() -> None:
     """Undo what ``patch()`` did: put back every original, newest first, stop waiting for imports, forget the
     fixes applied and the options, and close every model's state (the hooks the fixes registered on live objects
     go with it). Refuses (changing nothing) if a site was replaced."""
-    _restore(UNDO_LOG, IMPORT_HOOKS, MODELS, APPLIED, OPTIONS)
+    UNDO_LOG.restore()  # first: refuses, changing nothing, while a site was replaced
+    IMPORT_HOOKS.clear()
+    APPLIED.clear()
+    OPTIONS.current = None
+    MODELS.close_all()
 
 
 UNDO_LOG = UndoLog()
@@ -281,38 +275,3 @@ IMPORT_HOOKS = ImportHooks(undo=restore_all)
 MODELS = ModelStates()
 APPLIED = Applied()
 OPTIONS = CurrentOptions()
-
-
-class Registry:
-    """The five jobs together (``REGISTRY``), as the fixes reached them before the split; ``Registry()`` makes
-    five new ones (a test applying a fix apart from ``patch()``'s)."""
-
-    def __init__(self, undo_log: UndoLog | None = None, import_hooks: ImportHooks | None = None,
-                 models: ModelStates | None = None, applied: Applied | None = None,
-                 options: CurrentOptions | None = None) -> None:
-        self.undo_log = UndoLog() if undo_log is None else undo_log
-        self.import_hooks = ImportHooks(undo=self.restore_all) if import_hooks is None else import_hooks
-        self.models = ModelStates() if models is None else models
-        self.applied = Applied() if applied is None else applied
-        self._options = CurrentOptions() if options is None else options
-
-    @property
-    def sites(self) -> tuple[Wrap, ...]:
-        return self.undo_log.sites
-
-    def wrap(self, owner: Any, attribute: str, wrapper: Callable) -> None:
-        self.undo_log.wrap(owner, attribute, wrapper)
-
-    @property
-    def active(self) -> bool:
-        return self.applied.active
-
-    @property
-    def options(self) -> Options | None:
-        return self._options.current
-
-    def restore_all(self) -> None:
-        _restore(self.undo_log, self.import_hooks, self.models, self.applied, self._options)
-
-
-REGISTRY = Registry(UNDO_LOG, IMPORT_HOOKS, MODELS, APPLIED, OPTIONS)

@@ -32,15 +32,15 @@ def test_a_pyvene_with_other_signatures_is_refused_at_patch_time(monkeypatch):
     import pytest
     from pyvene.models import modeling_utils
 
-    from pyvene_dist._registry import Registry
+    from pyvene_dist._registry import ImportHooks, UndoLog
     from pyvene_dist.fixes import devices
 
     def gather_neurons(tensor_input, unit_locations_as_list, unit, device=None):
         raise AssertionError("not called")
 
     monkeypatch.setattr(modeling_utils, "gather_neurons", gather_neurons)
-    registry = Registry()
+    undo_log = UndoLog()
     with pytest.raises(TypeError, match=r"gather_neurons\(tensor_input, unit_locations_as_list, unit, device=None\) "
                                         r"is not the signature pyvene_dist was written for"):
-        devices.FIX.patch(registry.undo_log, registry.import_hooks)
-    assert modeling_utils.gather_neurons is gather_neurons and not registry.sites  # nothing wrapped
+        devices.FIX.patch(undo_log, ImportHooks(undo=undo_log.restore))
+    assert modeling_utils.gather_neurons is gather_neurons and not undo_log.sites  # nothing wrapped
