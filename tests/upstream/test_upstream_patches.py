@@ -28,7 +28,10 @@ SUITE = [
     "tests/fixes/test_train_mode.py",
     "tests/fixes/test_hooks.py",
     "tests/fixes/test_devices.py",
-    "tests/fixes/test_pyreft_trainer.py",
+    "tests/fixes/test_reft_compute_loss.py",
+    "tests/fixes/test_reft_train_loader.py",
+    "tests/fixes/test_reft_classifier_evaluate.py",
+    "tests/fixes/test_reft_tokenizer_keyword.py",
     "tests/fixes/test_hf_trainer.py",
     "tests/fixes/test_weight_decay.py",
     "tests/test_user_errors.py::test_an_architecture_pyvene_does_not_map_is_named_with_the_way_to_map_it",
@@ -36,8 +39,12 @@ SUITE = [
     "tests/upstream/test_pyreft_flows.py::test_readme_quickstart_passes_tokenizer_to_the_trainer",
     "tests/upstream/test_pyreft_flows.py::test_alpaca_multigpu_example_saves_checkpoints_and_loads_on_every_rank[world2]",
     "tests/upstream/test_pyreft_flows.py::test_zero3_refuses_a_model_partitioned_in_another_precision[world1]",
-    "tests/fixes/test_checkpoints.py",
-    "tests/fixes/test_checkpoints_dtype.py::test_reloaded_interventions_answer_exactly_as_trained[float32]",
+    "tests/fixes/test_loreft_state_dict.py",
+    "tests/fixes/test_loreft_load.py",
+    "tests/fixes/test_intervention_files.py",
+    "tests/fixes/test_trainer_saves.py",
+    "tests/fixes/test_hf_resume.py",
+    "tests/fixes/test_saved_dtypes.py::test_reloaded_interventions_answer_exactly_as_trained[float32]",
     "tests/fixes/test_zero_grad.py::test_zero_grad_clears_the_base_model_and_the_interventions",
     "tests/fixes/test_pair_indexing.py::test_the_examples_loop_switches_every_intervention_to_evaluation",
     "tests/fixes/test_device_map.py",
@@ -151,8 +158,8 @@ def test_upstreamed_needs_every_package_and_counts_a_missing_optional_one(monkey
     monkeypatch.setattr(fixes, "carried_fixes", lambda package: carried[package])
     assert fixes.upstreamed() == {"hooks", "gradient_checkpointing"}
     carried["pyreft"] = None  # not installed: nothing of pyreft to fix
-    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing", "deepspeed", "pyreft_trainer", "hf_trainer",
-                                   "weight_decay"}
+    assert fixes.upstreamed() == {"hooks", "gradient_checkpointing", "deepspeed", *fixes.groups()["pyreft_trainer"], "hf_trainer",
+                                   "weight_decay", *fixes.groups()["checkpoints"]} - {"intervention_files", "saved_dtypes"}
 
 
 def test_fixes_are_read_without_importing_the_package(tmp_path, monkeypatch):
