@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 ABSENT = "absent"
 #: The form of a target whose module has no Python source to read (bytecode only, an extension module).
 NO_SOURCE = "none"
-TABLE = Path(__file__).with_name("_fingerprints_table.py")
+#: The table: a package of one generated module per distribution (``forms_<distribution>.py``).
+TABLE = Path(__file__).with_name("_fingerprints_table")
 
 
 def digest(source: str) -> str:
@@ -293,16 +294,28 @@ def _literal(mapping: dict, depth: int = 1) -> str:
     return "{\n" + "\n".join(lines) + "\n" + "    " * (depth - 1) + "}"
 
 
-def write(table: Table, file: Path = TABLE) -> None:
+def write(table: Table, folder: Path = TABLE) -> None:
+    """The table as ``folder/forms_<distribution>.py``, one module per distribution (the top-level package)."""
     known_forms, files = table
-    files = {module: {digest: dict(sorted(forms.items())) for digest, forms in found.items()}
-             for module, found in files.items()}
-    file.write_text(
-        '"""The forms of the functions pyvene_dist\'s fixes depend on (``_fingerprints``). Generated: after a run\n'
-        "passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR\n"
-        '--release NAME=RELEASE`` a source tree\'s). Edit by re-recording, not by hand."""\n\n'
-        "#: Target -> {source fingerprint: the releases it was seen and tested with}.\n"
-        f"KNOWN = {_literal(dict(sorted(known_forms.items())))}\n\n"
-        "#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded is not read.\n"
-        f"FILES = {_literal(dict(sorted(files.items())))}\n"
-    )
+    by_distribution: dict[str, tuple[dict, dict]] = {}
+    for path, forms in sorted(known_forms.items()):
+        by_distribution.setdefault(path.split(".")[0].split(":")[0], ({}, {}))[0][path] = forms
+    for module, found in sorted(files.items()):
+        sorted_found = {digest: dict(sorted(forms.items())) for digest, forms in found.items()}
+        by_distribution.setdefault(module.split(".")[0], ({}, {}))[1][module] = sorted_found
+    for stale in folder.glob("forms_*.py"):
+        if stale.stem.removeprefix("forms_") not in by_distribution:
+            stale.unlink()
+    for distribution, (known_here, files_here) in by_distribution.items():
+        (folder / f"forms_{distribution}.py").write_text(
+            f'"""The forms of the {distribution} functions pyvene_dist\'s fixes depend on (``_fingerprints``). '
+            "Generated: after a\nrun passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds "
+            "their forms (``--source DIR\n--release NAME=RELEASE`` a source tree's). Edit by re-recording, not by "
+            'hand."""\n\n'
+            "from typing import Final\n\n"
+            "#: Target -> {source fingerprint: the releases it was seen and tested with}.\n"
+            f"KNOWN: Final = {_literal(known_here)}\n\n"
+            "#: Module -> {digest of a file recorded: {function: its fingerprint there}}: a file as recorded is not "
+            "read.\n"
+            f"FILES: Final = {_literal(files_here)}\n"
+        )

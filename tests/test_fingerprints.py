@@ -196,3 +196,16 @@ def test_a_target_is_found_as_the_import_system_would_without_importing_it(tmp_p
     assert _fingerprints.static_fingerprint(_fingerprints.Target(f"{package.name}.sub.mod:A.h")) == _fingerprints.ABSENT
     assert _fingerprints.static_fingerprint(_fingerprints.Target(f"{package.name}.nothing:f")) is None
     assert package.name not in sys.modules
+
+
+def test_the_table_is_one_generated_module_per_distribution_read_back_whole(tmp_path):
+    """``write`` puts each distribution's forms in a module of its own (``_fingerprints_table/forms_<name>.py``, none
+    near 400 lines), and the files here are what it writes of the table they hold: generated, not edited."""
+    from pyvene_dist import _fingerprints, _fingerprints_table
+
+    _fingerprints.write((_fingerprints.known(), _fingerprints.known_files()), tmp_path)
+    written = sorted(path.name for path in tmp_path.glob("*.py"))
+    assert written == ["forms_pyreft.py", "forms_pyvene.py", "forms_torch.py", "forms_transformers.py"]
+    for name in written:
+        assert (tmp_path / name).read_text() == (_fingerprints.TABLE / name).read_text(), name
+    assert _fingerprints.known() is _fingerprints_table.KNOWN  # what tests monkeypatch is what patch() reads

@@ -31,12 +31,9 @@ OWNER = "_registry.py"
 #: frozenset, a ``MappingProxyType`` or ``Final`` and takes its line out of here (an entry whose finding is gone
 #: fails ``test_the_allow_list_names_only_what_is_there``). All but ``_servers`` are tables, not run-time state.
 ALLOWED = {
-    "_fingerprints_table.py:KNOWN": "helper 'fast_path' (data, split per package next): the forms of each site",
-    "_fingerprints_table.py:FILES": "helper 'fast_path' (data, split per package next): the forms of each file",
-    "_renamed.py:RENAMED": "the helper that renamed modules (names at one level): old module -> new",
+    "_moved_modules.py:MOVED": "the helper that moved modules (names at one level): old module -> new",
     "check.py:QUANTIZED_CHECKED": "owner of check.py: quantization -> strategies checked",
     "fixes/__init__.py:RENAMED": "owner of fixes/__init__.py (fix selection): old fix name -> new names",
-    "fixes/checkpoints/__init__.py:__all__": "helper 'checkpoints': a list of names (a tuple would do)",
     "flags.py:OLD_DTYPES": "owner of flags.py: old dtype word -> torch's",
     "mechanisms/batch_split.py:_SPLITS": "helper 'mechanisms' (from fixes/_scatter.py): argument -> splitter",
     "mechanisms/dtype_checks.py:HIDDEN_STATE_LAYERS": "helper 'mechanisms' (from fixes/locations.py): "
