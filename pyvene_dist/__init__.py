@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = ("patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__")
 
 from . import _moved_modules
+from ._options import ALLOW_UNSUPPORTED, Options  # dataclasses and os only
 
 _moved_modules.install()
 
@@ -50,8 +51,7 @@ def patch(
     ``PYVENE_DIST_ALLOW_UNSUPPORTED=1`` (then a warning). Each environment variable takes 1/0, true/false,
     yes/no or on/off in any case (``pyvene_dist._options.switch``), and another value is refused by name.
     """
-    from . import _registry, _versions
-    from ._options import ALLOW_UNSUPPORTED, Options
+    from . import _registry, _versions  # torch, wrapt and the fixes: imported by patch(), not by the package
     from .fixes import fixes, select
 
     if _registry.APPLIED.active:
