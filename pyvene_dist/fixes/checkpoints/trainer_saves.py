@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
+from transformers.utils import logging
 
 from ..._records import Fix, Site
 from ...gather import is_main_process
@@ -40,8 +41,7 @@ FIX = Fix(
 
 
 def _wrap_save_model(wrapped, instance, args, kwargs):
-    from transformers import Trainer  # imported with pyreft, which this site waits for
-    from transformers.utils import logging
+    from transformers import Trainer  # transformers.trainer: imported with pyreft, which this site waits for
 
     # Bound to HF's signature, whose output_dir defaults to the trainer's args.output_dir (pyreft's requires it).
     output_dir = bound(Trainer.save_model, (instance, *args), kwargs).arguments["output_dir"]
@@ -62,8 +62,6 @@ def _wrap_save_model_on_every_rank(wrapped, instance, args, kwargs):
 
 
 def _wrap_load_best_model(wrapped, instance, args, kwargs):
-    from transformers.utils import logging
-
     best = instance.state.best_model_checkpoint
     logging.get_logger(__name__).warning(f"Loading best model from {best} (score: {instance.state.best_metric}).")
     unwrap_intervenable_model(instance.model).load_intervention(os.path.join(best, INTERVENTIONS_DIR),
