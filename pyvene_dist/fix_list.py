@@ -16,7 +16,7 @@ import importlib
 import json
 
 from . import _fingerprints, _versions
-from .fixes import fixes, upstreamed
+from .fixes import fixes, groups, upstreamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Row:
     #: The functions with a form it does not know here.
     changed: list[str]
     installed: dict[str, str | None]
+    #: The group it belongs to (``fixes/<group>/``), whose name ``patch(exclude=...)`` takes for all of its fixes.
+    group: str | None = None
 
 
 def summary(module: str) -> str:
@@ -44,6 +46,7 @@ def summary(module: str) -> str:
 
 def rows() -> list[Row]:
     records = fixes()
+    group_of = {name: group for group, names in groups().items() for name in names}
     carried = upstreamed(records)
     floors = _versions.below_floor()
     changes = {fix.name: _versions.changed([fix]) for fix in records}
@@ -59,7 +62,7 @@ def rows() -> list[Row]:
         checked = _fingerprints.checked_on(fix)
         found.append(Row(fix.name, summary(fix.module), not reason, reason, checked,
                          "changed" if changes[fix.name] else "unchanged", [c.target for c in changes[fix.name]],
-                         {name: _versions.installed_version(name) for name in checked}))
+                         {name: _versions.installed_version(name) for name in checked}, group_of.get(fix.name)))
     return found
 
 
@@ -69,7 +72,7 @@ def table(found: list[Row]) -> str:
         checked = "; ".join(f"{name} {', '.join(releases) or 'none recorded'}"
                             for name, releases in row.checked.items())
         state = "fingerprint unchanged" if not row.changed else f"fingerprint changed: {', '.join(row.changed)}"
-        lines += [f"{row.name}: {'applied' if row.applied else 'not applied'}; checked on "
+        lines += [f"{row.name}{f' ({row.group})' if row.group else ''}: {'applied' if row.applied else 'not applied'}; checked on "
                   f"{checked or 'any release (it depends on no function it could check)'}; {state}",
                   f"    {row.fixes}"]
         if row.reason:

@@ -14,7 +14,7 @@ CHECKPOINTS = ("hf_resume", "intervention_files", "loreft_load", "loreft_state_d
 
 
 def test_a_packages_modules_are_fixes_and_the_package_a_group():
-    assert fixes.groups() == {"checkpoints": CHECKPOINTS}
+    assert fixes.groups()["checkpoints"] == CHECKPOINTS
     found = fixes.by_name()
     assert set(CHECKPOINTS) <= set(found) and "checkpoints" not in found
     assert found["saved_dtypes"].module == "pyvene_dist.fixes.checkpoints.saved_dtypes"
@@ -45,3 +45,14 @@ def test_a_record_after_a_group_comes_after_each_of_its_fixes():
 def test_an_unknown_name_lists_the_groups_too():
     with pytest.raises(ValueError, match=r"unknown fix 'checkpoint'; known fixes: .*; groups: checkpoints"):
         fixes.select(exclude=["checkpoint"])
+
+
+def test_the_fix_list_names_each_fixs_group(capsys):
+    from pyvene_dist import fix_list
+
+    rows = {row.name: row for row in fix_list.rows()}
+    assert {name: row.group for name, row in rows.items() if name in CHECKPOINTS} == dict.fromkeys(CHECKPOINTS, "checkpoints")
+    assert rows["hooks"].group is None
+    lines = fix_list.table(list(rows.values())).splitlines()
+    assert any(line.startswith("saved_dtypes (checkpoints): ") for line in lines)
+    assert any(line.startswith("hooks: ") for line in lines)
