@@ -23,9 +23,10 @@ def _owner(stem: str, names) -> str | None:
     return max(owners, key=len, default=None)
 
 
-def layout_problems(folder: Path, names, renamed) -> list[str]:
-    """Each fix in ``names`` without ``folder/test_<fix>.py``, and each module there named after no fix
-    (saying the new name where it is named after one in ``renamed``)."""
+def layout_problems(folder: Path, names, renamed, groups=()) -> list[str]:
+    """Each fix in ``names`` without ``folder/test_<fix>.py``, and each module there named after no fix nor group
+    of fixes (``groups``: ``test_checkpoints_<aspect>.py`` may test the group's fixes together), saying the new name
+    where it is named after one in ``renamed``."""
     stems = sorted(path.stem.removeprefix("test_") for path in folder.glob("test_*.py"))
     problems = []
     for name in names:
@@ -34,7 +35,7 @@ def layout_problems(folder: Path, names, renamed) -> list[str]:
             hint = f" (found {', '.join(f'test_{o}.py' for o in old)}, named after the old name)" if old else ""
             problems.append(f"fix {name!r} has no test module: expected {folder.name}/test_{name}.py{hint}")
     for stem in stems:
-        if _owner(stem, names) is not None:
+        if _owner(stem, [*names, *groups]) is not None:
             continue
         old = _owner(stem, renamed)
         if old is not None:
@@ -46,7 +47,7 @@ def layout_problems(folder: Path, names, renamed) -> list[str]:
 
 
 def test_every_fix_has_its_test_module_and_every_module_there_a_fix():
-    problems = layout_problems(TESTS / "fixes", [fix.name for fix in fixes.fixes()], fixes.RENAMED)
+    problems = layout_problems(TESTS / "fixes", [fix.name for fix in fixes.fixes()], fixes.RENAMED, fixes.groups())
     assert not problems, "\n".join(problems)
 
 
@@ -64,6 +65,13 @@ def test_a_missing_or_renamed_module_is_named(tmp_path):
         "rename or split it",
         f"{folder}/test_stray.py is named after no fix; fixes: gradient_checkpointing, hooks, zero_grad",
     ]
+
+
+def test_a_module_named_after_a_group_is_the_groups(tmp_path):
+    for stem in ("loreft_load", "checkpoints_end_to_end", "checkpoint_stray"):
+        (tmp_path / f"test_{stem}.py").touch()
+    problems = layout_problems(tmp_path, ["loreft_load"], {}, {"checkpoints": ("loreft_load",)})
+    assert problems == [f"{tmp_path.name}/test_checkpoint_stray.py is named after no fix; fixes: loreft_load"]
 
 
 def test_module_names_are_unique_across_the_folders():
