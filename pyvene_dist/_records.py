@@ -135,7 +135,7 @@ class Fix:
         if isinstance(self.relies_on, str):
             raise TypeError(f"Fix {self.module!r}: relies_on={self.relies_on!r}, expected a tuple of "
                             "'module:Qualified.name' strings")
-        if not all(isinstance(option, Option) for option in self.options) or isinstance(self.options, Option):
+        if not isinstance(self.options, tuple) or not all(isinstance(option, Option) for option in self.options):
             raise TypeError(f"Fix {self.module!r}: options={self.options!r}, expected a tuple of "
                             "pyvene_dist._options.Option")
         for path in self.relies_on:

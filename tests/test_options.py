@@ -97,3 +97,14 @@ def test_options_are_read_only():
     assert options.replace(fast_path=False).fast_path is False and options.fast_path is True
     with pytest.raises(TypeError, match=r"Options has no option 'cuda_graph'; known: fast_path"):
         options.replace(cuda_graph=False)
+
+
+def test_a_record_refuses_options_that_are_not_a_tuple_of_option():
+    from pyvene_dist._records import Fix
+
+    graphs = Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True)
+    for wrong in (graphs, ["cuda_graphs"], ("cuda_graphs",)):
+        with pytest.raises(TypeError, match=r"^Fix 'tests\.options': options=.*, expected a tuple of "
+                                            r"pyvene_dist\._options\.Option$"):
+            Fix("tests.options", sites=(), options=wrong)
+    assert Fix("tests.options", sites=(), options=(graphs,)).options == (graphs,)
