@@ -20,6 +20,9 @@ it was saved in.
 - ``load`` reads every file with ``weights_only=True`` first; an unreadable one raises
   ``UnreadableCheckpointError`` naming it (``_files``), before the user's model is touched.
 
+After this load, ``fixes.deepspeed`` gives the interventions a ZeRO-3 half-precision partition's dtype again, by its
+own wrap of ``load`` outside this one.
+
 Wraps ``pyvene.models.intervenable_base.IntervenableModel.save`` and ``load``.
 """
 
@@ -28,13 +31,13 @@ from __future__ import annotations
 import os
 
 import torch
+from huggingface_hub import HfApi, snapshot_download
 from torch import nn
 
 from ..._records import Fix, Site
 from ...gather import gathered, is_main_process
 from ...mechanisms.arguments import bound
 from ...mechanisms.own_dtype import compute_in_own_dtype, floating_dtype
-from ...mechanisms.partitioned_dtype import take_partitioned_dtype
 from ._base_weights import loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights, whole_copies
 from ._files import MODEL_FILE, SAVED_STATES_FILE, check_readable, cpu_copies, device_of, read_saved
 
@@ -74,8 +77,6 @@ def _wrap_save(wrapped, instance, args, kwargs):
 def _upload(directory: str, names: list[str], repo: str) -> None:
     """What ``save(..., save_to_hf_hub=True)`` uploads: the files written, into ``repo`` (made if it is not there,
     as pyvene does)."""
-    from huggingface_hub import HfApi
-
     api = HfApi()
     api.create_repo(repo, exist_ok=True)
     for name in names:
@@ -86,10 +87,8 @@ def _upload(directory: str, names: list[str], repo: str) -> None:
 def _wrap_load(wrapped, instance, args, kwargs):
     arguments = bound(wrapped, args, kwargs).arguments
     load_directory, local_directory = arguments["load_directory"], arguments["local_directory"]
-    if arguments["from_huggingface_hub"] or not os.path.exists(load_directory):  # as pyvene does, so that the
-        from huggingface_hub import snapshot_download  # folder is known here
-
-        load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)
+    if arguments["from_huggingface_hub"] or not os.path.exists(load_directory):  # as pyvene does: the folder
+        load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)  # is known here
     from ..orthogonal import adopt
 
     check_readable(load_directory)
@@ -113,9 +112,8 @@ def _wrap_load(wrapped, instance, args, kwargs):
 def _restore_as_saved(model, directory: str) -> None:
     """Every intervention's parameters in the dtype and with the values they were saved with: from
     ``intervention_states.pt`` where ``save`` wrote it, else from each intervention's own file, read
-    again where pyvene had loaded it into another dtype. A base model that ZeRO-3 partitioned in bf16 or
-    fp16 (``zero.Init``) then gives the interventions its dtype, as DeepSpeed needs (``mechanisms.partitioned_dtype``);
-    one partitioned in float32 (HF's ``from_pretrained`` while a ZeRO-3 ``TrainingArguments`` lives) does not."""
+    again where pyvene had loaded it into another dtype. (A base model that ZeRO-3 partitioned in bf16 or fp16
+    then gives them its dtype again: ``fixes.deepspeed``'s own wrap of ``load``, outside this one.)"""
     states_file = os.path.join(directory, SAVED_STATES_FILE)
     if os.path.exists(states_file):
         state = read_saved(states_file)
@@ -129,7 +127,6 @@ def _restore_as_saved(model, directory: str) -> None:
             state = read_saved(path, map_location=device_of(intervention))
             if _take_saved_dtypes(intervention, _module_names(state)):
                 intervention.load_state_dict(state)
-    take_partitioned_dtype(model)
 
 
 def _module_names(state: dict) -> dict:
