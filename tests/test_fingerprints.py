@@ -61,7 +61,7 @@ def test_the_releases_recorded_patch_without_a_note(caplog):
 
 
 def test_a_changed_function_refuses_every_fix_before_anything_is_applied_naming_it(monkeypatch):
-    """A changed function of ``devices`` (which ``locations`` and ``pyreft_trainer`` require) and one ``fast_path``
+    """A changed function of ``devices`` (which ``locations`` and two of ``pyreft_trainer``'s fixes require) and one ``fast_path``
     relies on without wrapping it: the message names both, and ``exclude=`` the fixes it names patches the rest."""
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
@@ -77,7 +77,7 @@ def test_a_changed_function_refuses_every_fix_before_anything_is_applied_naming_
     assert ("the fix 'devices' depends on pyvene.models.modeling_utils:gather_neurons, whose source here has the "
             "fingerprint 5bb3f955897f8a14, and knows 0123456789abcdef (0.0.1)") in message
     assert "the fix 'fast_path' depends on torch.nn.functional:dropout" in message
-    excluded = ["devices", "fast_path", "locations", "pyreft_trainer"]
+    excluded = ["devices", "fast_path", "locations", "reft_classifier_evaluate", "reft_compute_loss"]
     assert f"Nothing was patched. Leave those fixes out with pyvene_dist.patch(exclude={excluded})" in message
     assert not pyvene_dist.is_patched() and vars(BaseModel)["named_parameters"] is original
     with pyvene_dist.patched(exclude=excluded):
