@@ -49,10 +49,8 @@ product given the closed-form backward (``mechanisms.householder_backward.closed
 (``APPLIED``), so this record names it in ``after``; it has no code or site of its own to require this one.
 
 **Loads.** ``IntervenableModel.load`` builds a model whose state gives its rotations this fix's class
-(``BaseModel.__init__``); the fix adopts them again once the load returns (``_wrap_load``), so that a load
+(``BaseModel.__init__``); the fix adopts them again once the load returns (``_load_entry``), so that a load
 that replaces the interventions (pyreft's, the checkpoints fixes') leaves none of torch's class.
-
-Checked with torch 2.11 and 2.13 and deepspeed 0.19.8.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from pyvene.models.intervenable_base import IntervenableModel
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._options import Option
@@ -70,11 +69,16 @@ from ..mechanisms.rotation_graphs import HALF, replayed
 
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),),
+    sites=(
+        Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry"),
+    ),
     # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
     # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
     # forwards, which mechanisms.checkpoint_functions tells, set where gradient_checkpointing is applied.)
-    after=("householder",),
+    after=("householder",
+           # saved_dtypes: its wrap of IntervenableModel.load, which this fix's entry stacks on (applied first)
+           "saved_dtypes"),
     state="OrthogonalState",
     # off: LoReFT's rotation stays eager on CUDA (no graphs captured)
     options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
@@ -116,6 +120,21 @@ def _swap(module, found: type, to: type) -> None:
 def _wrap_base_model_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     adopt(instance.interventions, model=instance)
+
+
+def _load_entry(load):
+    """``IntervenableModel.load`` (a static method), then the loaded rotations adopted again, each owned by
+    itself: pyreft's ``ReftModel.load`` hands the interventions to a new ``ReftModel`` and drops the model the
+    load built, whose state gave them this fix's forward (torch's has no half-precision kernel on the CPU:
+    ``"orgqr_cpu" not implemented for 'BFloat16'`` at the first forward). ``adopt`` twice records them once."""
+    load = load.__get__(None, IntervenableModel)  # as the class gives it: a wrap of it then binds as it expects
+
+    def load_and_adopt(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        adopt(loaded.interventions)
+        return loaded
+
+    return load_and_adopt
 
 
 def adopt(module: torch.nn.Module, model=None) -> None:

@@ -556,3 +556,21 @@ def test_a_matrix_in_new_storage_at_every_step_is_replayed(patched, monkeypatch,
     graphs = graphed.graphs_of(orthogonal)
     assert graphs.staged and graphs.forward_graph is not None, "not replayed through a copy"
     assert len(captures) == 1
+
+
+def test_a_loaded_reft_keeps_the_fixs_rotation(patched, tmp_path):
+    """pyreft's ReftModel.load hands the interventions pyvene's load built to a new ReftModel and drops the model
+    that adopted them, whose state gave them this fix's class back when collected: the fix adopts them again once
+    the load returns (its entry around IntervenableModel.load), so they keep ReftOrthogonal (torch's has no
+    half-precision kernel on the CPU)."""
+    import gc
+
+    import pyreft
+
+    from pyvene_dist.testing import models
+
+    models.reft_model(models.tiny_llama(), layers=(0,)).save(str(tmp_path))
+    loaded = pyreft.ReftModel.load(str(tmp_path), models.tiny_llama())
+    gc.collect()  # the model the load built, and its state
+    rotation = next(iter(loaded.interventions.values())).rotate_layer.parametrizations.weight[0]
+    assert type(rotation) is graphed.ReftOrthogonal
