@@ -33,3 +33,16 @@ def test_a_model_partitioned_in_float32_is_refused_for_a_bf16_run(patched):
 
 def test_a_model_partitioned_in_the_runs_precision_passes(patched):
     getattr(partitioned_trainer(torch.bfloat16), STEP)()
+
+
+def test_left_out_it_adds_no_step_to_the_shared_train():
+    """``ReftTrainer.train`` is added by each fix that acts there; one left out adds no step, and ``unpatch()``
+    deletes the method and every step."""
+    import pyvene_dist
+
+    trainer_class = import_pyreft().ReftTrainer
+    with pyvene_dist.patched(exclude=["reft_zero3_dtype"]):
+        assert "train" in vars(trainer_class) and STEP not in vars(trainer_class)
+    with pyvene_dist.patched(only=["reft_zero3_dtype"]):
+        assert "train" in vars(trainer_class) and STEP in vars(trainer_class)
+    assert "train" not in vars(trainer_class) and STEP not in vars(trainer_class)
