@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
+from ..._records import Site
+
+PYREFT = "pyreft.reft_trainer"
 #: ``step(kwargs)``: may change the keywords ``Trainer.__init__`` is given (``reft_tokenizer_keyword``).
 BEFORE_INIT = "_pyvene_dist_before_init_"
 #: ``step()``, once ``Trainer.__init__`` has run (``reft_compute_loss``).
@@ -28,6 +31,14 @@ AROUND_TRAIN = "_pyvene_dist_around_train_"
 def step_name(stage: str, fix_module: str) -> str:
     """The attribute a fix adds to ``ReftTrainer`` for its step at ``stage``: ``stage`` and the fix's name."""
     return stage + fix_module.rsplit(".", 1)[-1]
+
+
+def step_sites(stage: str, fix_module: str, step: str) -> tuple[Site, Site]:
+    """A fix's two sites for its step at ``stage``: the method the stage belongs to (``ReftTrainer.__init__`` or
+    ``.train``, added by whichever fix comes first), and ``step``, a function of the fix's module, beside it."""
+    method, added = ("__init__", reft_trainer_init) if stage in (BEFORE_INIT, AFTER_INIT) else ("train", reft_trainer_train)
+    return (Site(f"{PYREFT}:ReftTrainer.{method}", added, kind="add"),
+            Site(f"{PYREFT}:ReftTrainer.{step_name(stage, fix_module)}", step, kind="add"))
 
 
 def steps(trainer: Any, stage: str) -> list[Callable]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..._records import Fix, Site
+from ._trainer_steps import PYREFT
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
     sites=(Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace"),),

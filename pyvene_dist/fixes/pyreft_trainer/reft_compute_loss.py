@@ -45,17 +45,14 @@ from ..._records import Fix, Site
 from ..._registry import UNDO_LOG
 from ...mechanisms.arguments import bound
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import AFTER_INIT, reft_trainer_init, step_name
+from ._trainer_steps import AFTER_INIT, PYREFT, step_sites
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
     sites=(
         Site(f"{PYREFT}:ReftTrainer.compute_loss", "_wrap_compute_loss"),
         Site(f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss", "_wrap_compute_loss"),
-        Site(f"{PYREFT}:ReftTrainer.__init__", reft_trainer_init, kind="add"),
-        Site(f"{PYREFT}:ReftTrainer.{step_name(AFTER_INIT, __name__)}", "_count_the_batch_for_pyrefts_loss",
-             kind="add"),
+        *step_sites(AFTER_INIT, __name__, "_count_the_batch_for_pyrefts_loss"),
     ),
     # pyreft's locations are passed on as tensors, which that fix indexes with
     requires=("devices",),

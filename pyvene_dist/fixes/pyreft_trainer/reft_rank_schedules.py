@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..._records import Fix, Site
-from ._trainer_steps import CHECK_TRAIN, reft_trainer_train, step_name
+from ..._records import Fix
+from ._trainer_steps import CHECK_TRAIN, step_sites
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainer.train", reft_trainer_train, kind="add"),
-        Site(f"{PYREFT}:ReftTrainer.{step_name(CHECK_TRAIN, __name__)}",
-             "_refuse_schedules_that_differ_between_ranks", kind="add"),
-    ),
+    sites=step_sites(CHECK_TRAIN, __name__, "_refuse_schedules_that_differ_between_ranks"),
     upstream=("pyreft",),
     relies_on=("transformers.trainer:Trainer.train",),  # the collectives these arguments schedule in it
 )

@@ -21,8 +21,8 @@ import socket
 import torch.distributed as dist
 
 from ..._records import Fix, Site
+from ._trainer_steps import PYREFT
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
     sites=(Site(f"{PYREFT}:ReftTrainer.create_accelerator_and_postprocess", "_create_accelerator_for_each_rank",

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import inspect
 
-from ..._records import Fix, Site
-from ._trainer_steps import BEFORE_INIT, reft_trainer_init, step_name
+from ..._records import Fix
+from ._trainer_steps import BEFORE_INIT, step_sites
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainer.__init__", reft_trainer_init, kind="add"),
-        Site(f"{PYREFT}:ReftTrainer.{step_name(BEFORE_INIT, __name__)}", "_take_tokenizer_as_processing_class",
-             kind="add"),
-    ),
+    sites=step_sites(BEFORE_INIT, __name__, "_take_tokenizer_as_processing_class"),
     upstream=("pyreft",),
 )
 

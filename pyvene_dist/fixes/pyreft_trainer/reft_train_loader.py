@@ -12,8 +12,8 @@ pyreft is patched when (and if) it is imported.
 from __future__ import annotations
 
 from ..._records import Fix, Site
+from ._trainer_steps import PYREFT
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
     sites=(

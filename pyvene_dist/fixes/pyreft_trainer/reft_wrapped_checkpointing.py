@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import contextlib
 
-from ..._records import Fix, Site
+from ..._records import Fix
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import AROUND_TRAIN, reft_trainer_train, step_name
+from ._trainer_steps import AROUND_TRAIN, step_sites
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainer.train", reft_trainer_train, kind="add"),
-        Site(f"{PYREFT}:ReftTrainer.{step_name(AROUND_TRAIN, __name__)}", "_checkpointing_inside_a_wrapper",
-             kind="add"),
-    ),
+    sites=step_sites(AROUND_TRAIN, __name__, "_checkpointing_inside_a_wrapper"),
     # the checkpointing enablers of the pyvene model inside a wrapper
     requires=("wrapper_attributes",),
     upstream=("pyreft",),

@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..._records import Fix, Site
+from ..._records import Fix
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import CHECK_TRAIN, reft_trainer_train, step_name
+from ._trainer_steps import CHECK_TRAIN, step_sites
 
-PYREFT = "pyreft.reft_trainer"
 FIX = Fix(
     __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainer.train", reft_trainer_train, kind="add"),
-        Site(f"{PYREFT}:ReftTrainer.{step_name(CHECK_TRAIN, __name__)}", "_refuse_a_partition_in_another_dtype",
-             kind="add"),
-    ),
+    sites=step_sites(CHECK_TRAIN, __name__, "_refuse_a_partition_in_another_dtype"),
     upstream=("pyreft",),
     relies_on=("transformers.trainer:Trainer.train",),  # DeepSpeed set up in it, casting nothing partitioned
 )
