@@ -42,6 +42,8 @@ from typing import Any
 
 import pyvene
 import torch
+from pyvene.models.intervenable_base import BaseModel, IntervenableModel
+from pyvene.models.intervention_utils import InterventionState
 
 from .._records import Fix, Site
 from .._registry import APPLIED, MODELS
@@ -88,8 +90,6 @@ _HOOK_DICTS = (
 
 
 def _wrap_scatter(wrapped, instance, args, kwargs):
-    from pyvene.models.intervenable_base import IntervenableModel
-
     model = instance.module
     if not isinstance(model, IntervenableModel):
         return wrapped(*args, **kwargs)
@@ -102,8 +102,6 @@ def _wrap_scatter(wrapped, instance, args, kwargs):
 
 
 def _wrap_replicate(wrapped, instance, args, kwargs):
-    from pyvene.models.intervenable_base import BaseModel
-
     replicas = wrapped(*args, **kwargs)
     original = instance.module
     if isinstance(original, BaseModel):
@@ -148,8 +146,6 @@ def _first_parameter(model, path):
 
 
 def _make_independent(replica, original, device: torch.device) -> None:
-    from pyvene.models.intervention_utils import InterventionState
-
     state = MODELS.of(original, DataParallelState)
     if state.hooked_module_names is None:
         module_names = {id(module): name for name, module in original.named_modules(remove_duplicate=False)}

@@ -25,6 +25,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+from pyvene.models import intervenable_base, modeling_utils
+from pyvene.models.modeling_utils import (bhsd_to_bs_hd, bs_hd_to_bhsd, output_to_subcomponent, split_three,
+                                         type_to_module_mapping)
 
 from .._records import Fix, Site
 from ..mechanisms.indices import as_index
@@ -42,8 +45,6 @@ FIX = Fix(
 
 
 def _check_signatures(options) -> None:
-    from pyvene.models import intervenable_base, modeling_utils
-
     for module in (modeling_utils, intervenable_base):
         for name, arguments in (("gather_neurons", _gather_arguments), ("scatter_neurons", _scatter_arguments)):
             _check_signature(getattr(module, name), arguments)
@@ -81,8 +82,6 @@ def _check_signature(function, arguments) -> None:
 
 def gather_neurons(tensor_input, unit, unit_locations_as_list):
     """pyvene 0.1.8's ``gather_neurons``, its indices on ``tensor_input``'s device."""
-    from pyvene.models.modeling_utils import bhsd_to_bs_hd, bs_hd_to_bhsd
-
     if unit in {"t"}:
         return tensor_input
     device = tensor_input.device
@@ -120,8 +119,6 @@ def scatter_neurons(
     tensor_input, replacing_tensor_input, component, unit, unit_locations_as_list, model_type, model_config, use_fast
 ):
     """pyvene 0.1.8's ``scatter_neurons``, its indices (the batch index too) on ``tensor_input``'s device."""
-    from pyvene.models.modeling_utils import output_to_subcomponent, split_three, type_to_module_mapping
-
     device = tensor_input.device
     if "." in unit:
         unit_locations = (as_index(unit_locations_as_list[0], device), as_index(unit_locations_as_list[1], device))

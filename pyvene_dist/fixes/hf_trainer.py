@@ -26,6 +26,9 @@ import dataclasses
 import datetime
 import logging
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 from .._records import Fix, Site
 from ..mechanisms.wrapped_models import holds_intervenable_model
 
@@ -64,9 +67,6 @@ def _wrap_create_accelerator(wrapped, instance, args, kwargs):
 
 def _give_the_timeout_to_a_cpu_group(arguments) -> None:
     """``ddp_timeout``, where the arguments set one, for the process group HF made on CPU without it."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
     default = next(field.default for field in dataclasses.fields(type(arguments)) if field.name == "ddp_timeout")
     if not getattr(arguments, "use_cpu", False) or arguments.ddp_timeout == default \
             or not (dist.is_available() and dist.is_initialized()):

@@ -15,6 +15,8 @@ module path instead.
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_modelcard import type_to_module_mapping
+
 from .._records import Fix, Site
 
 FIX = Fix(
@@ -43,8 +45,6 @@ def _wrap_get_module_hook(wrapped, instance, args, kwargs):
 
 
 def _is_mapped(model) -> bool:
-    from pyvene.models.intervenable_modelcard import type_to_module_mapping
-
     return type(model) in type_to_module_mapping
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from pyvene.models.modeling_utils import get_dimension_by_component
 from torch import nn
 
 from .._records import Fix, Site
@@ -92,8 +93,6 @@ def _full_width(intervenable, key: str, register: Callable) -> int | None:
     module = getattr(register, "__self__", None)
     if isinstance(module, nn.Linear):
         return module.in_features if register.__name__ == "register_forward_pre_hook" else module.out_features
-    from pyvene.models.modeling_utils import get_dimension_by_component
-
     try:
         return int(get_dimension_by_component(
             intervenable.model_type, intervenable.model_config, intervenable.representations[key].component
@@ -147,7 +146,7 @@ def _on_input(hook, module: nn.Module, width: int | None, model: nn.Module):
 def to_whole(tensor: torch.Tensor, module: nn.Module, width: int | None, model: nn.Module):
     """``tensor`` whole and plain, safe to write into, and the function that turns it back into what the
     module expects (this rank's slice, the DTensor layout it came in, or the whole tensor itself)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # 0.9 s to import: only where TP runs
 
     if isinstance(tensor, DTensor):
         mesh, placements = tensor.device_mesh, tensor.placements
@@ -186,7 +185,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_parallel_mesh(module: nn.Module, model: nn.Module):
     """The one-dimensional TP mesh ``module``'s tensors are sliced over: that of its own weight, else of the
     first tensor-parallel linear layer of ``model`` (a mesh dimension named ``tp``, or a 1-D mesh)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard  # 0.9 s to import: only where TP runs
 
     for owner in (module, model):
         for inner in owner.modules():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import BaseModel
+
 
 def intervenable_models(model) -> list:
     """The pyvene models in ``model``: itself, or those DataParallel/DDP/FSDP/accelerate/DeepSpeed wrap."""
-    from pyvene.models.intervenable_base import BaseModel
-
     return [] if model is None else [module for module in model.modules() if isinstance(module, BaseModel)]
 
 

@@ -257,14 +257,13 @@ def test_fully_shard_after_a_forward_makes_the_model_looked_at_again(monkeypatch
 def test_tp_is_unavailable_where_transformers_cannot_split_the_vocabulary(monkeypatch):
     """transformers 5.17-5.20's from_pretrained(tp_plan=...) refused the tiny model's lm_head (97 tokens) over 2
     ranks (the version matrix's oldest column); the check says so instead of failing, and runs tp from 5.21."""
-    import importlib.metadata
-
+    from pyvene_dist.testing import requirements
     from pyvene_dist.testing.strategies import STRATEGIES
 
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0")
+    monkeypatch.setattr(requirements, "version", lambda name: "5.17.0")  # as it reads the installed release
     assert STRATEGIES["tp"].unavailable(2, 0) == ("transformers 5.17.0's tp_plan needs the vocabulary (97) divisible "
                                                   "by the world size (2); 5.21 and newer shard it unevenly")
     assert STRATEGIES["tp"].unavailable(1, 0) is None
     assert STRATEGIES["tp-by-hand"].unavailable(2, 0) is None  # parallelize_module with the base model's plan
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.21.0")
+    monkeypatch.setattr(requirements, "version", lambda name: "5.21.0")
     assert STRATEGIES["tp"].unavailable(2, 0) is None
