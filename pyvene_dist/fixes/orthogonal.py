@@ -190,6 +190,8 @@ def graphs_of(orthogonal):
 
 def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     """``orthogonal(X)`` from the CUDA graphs its model's state keeps, or ``None`` where they do not apply."""
+    if torch.compiler.is_compiling():  # first: traced, the lookup below made dynamo guard on every model's parts
+        return None
     state = MODELS.of_part(orthogonal, OrthogonalState)
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
