@@ -3,6 +3,7 @@
 pytest imports each module by its bare name (no ``__init__.py``) and spawned ranks import it again by that name.
 """
 
+import ast
 import collections
 from pathlib import Path
 
@@ -83,32 +84,35 @@ def test_module_names_are_unique_across_the_folders():
     assert not clashes, f"modules of one name in several folders (pytest imports them by name): {clashes}"
 
 
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(node, module: str, is_package: bool, known) -> list[str]:
+    """The modules of ``known`` (other than ``module``) that the statement ``node`` imports: a submodule named is
+    what runs; any other name is read from the module (or package) itself."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = module if is_package else module.rsplit(".", 1)[0]
+        for _ in range(node.level - 1):
+            base = base.rsplit(".", 1)[0]
+        prefix = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+        targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix for alias in node.names]
+    else:
+        return []
+    return [target for target in targets if target in known and target != module]
+
+
 def import_cycles(package: Path) -> list[list[str]]:
     """The cycles among ``package``'s modules through the imports each runs when it is imported (its top level;
     an import inside a function runs later and cannot deadlock or half-initialise a module)."""
-    import ast
-
-    modules = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    modules = {_module_name(path, package): path for path in sorted(package.rglob("*.py"))}
     edges = collections.defaultdict(set)
     for module, path in modules.items():
-        is_package = path.name == "__init__.py"
         for node in ast.parse(path.read_text()).body:  # the top level only
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = module if is_package else module.rsplit(".", 1)[0]
-                for _ in range(node.level - 1):
-                    base = base.rsplit(".", 1)[0]
-                prefix = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
-                # a submodule named is what runs; any other name is read from the module (or package) itself
-                targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in modules else prefix
-                           for alias in node.names]
-            else:
-                continue
-            edges[module] |= {target for target in targets if target in modules and target != module}
+            edges[module] |= set(_imported(node, module, path.name == "__init__.py", modules))
     cycles, done = [], set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -147,29 +151,10 @@ def imported_modules(path: Path, module: str, known) -> list[tuple[int, str]]:
     """(line, module) for each module of ``known`` that ``path`` (the module ``module``) imports, anywhere in it
     (at its top, in a function, under ``TYPE_CHECKING``): ``from . import x`` names module ``x`` where ``x`` is
     one, else the package it is read from."""
-    import ast
-
-    is_package = path.name == "__init__.py"
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = module if is_package else module.rsplit(".", 1)[0]
-            for _ in range(node.level - 1):
-                base = base.rsplit(".", 1)[0]
-            prefix = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
-            targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix
-                       for alias in node.names]
-        else:
-            continue
-        found += sorted({(node.lineno, target) for target in targets if target in known and target != module})
+        found += sorted({(node.lineno, target) for target in _imported(node, module, path.name == "__init__.py", known)})
     return found
-
-
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _code_owner(module: str, public: set[str]) -> str:
