@@ -20,8 +20,8 @@ it was saved in.
 - ``load`` reads every file with ``weights_only=True`` first; an unreadable one raises
   ``UnreadableCheckpointError`` naming it (``_files``), before the user's model is touched.
 
-After this load, ``fixes.deepspeed`` gives the interventions a ZeRO-3 half-precision partition's dtype again, by its
-own wrap of ``load`` outside this one.
+After this load, ``fixes.deepspeed`` gives the interventions a ZeRO-3 half-precision partition's dtype again and
+``fixes.orthogonal`` adopts LoReFT's rotations, each by its own wrap of ``load`` outside this one.
 
 Wraps ``pyvene.models.intervenable_base.IntervenableModel.save`` and ``load``.
 """
@@ -48,8 +48,6 @@ FIX = Fix(
         Site(f"{PYVENE}:IntervenableModel.save", "_wrap_save"),
         Site(f"{PYVENE}:IntervenableModel.load", "_wrap_load"),
     ),
-    # orthogonal: its rotations adopted again after a load (see _wrap_load), its state kept coherent.
-    after=("orthogonal",),
     upstream=("pyvene",),
 )
 
@@ -89,14 +87,8 @@ def _wrap_load(wrapped, instance, args, kwargs):
     load_directory, local_directory = arguments["load_directory"], arguments["local_directory"]
     if arguments["from_huggingface_hub"] or not os.path.exists(load_directory):  # as pyvene does: the folder
         load_directory = snapshot_download(repo_id=load_directory, local_dir=local_directory)  # is known here
-    from ..orthogonal import adopt
-
     check_readable(load_directory)
     loaded = wrapped(load_directory, arguments["model"], local_directory=local_directory, include_model=False)
-    # pyreft's ReftModel.load hands these interventions to a new ReftModel and drops this model, whose state
-    # gave LoReFT's rotations fixes.orthogonal's forward: owned by themselves, they keep it (torch's own has no
-    # half-precision kernel on the CPU: '"orgqr_cpu" not implemented for 'BFloat16'' at the first forward).
-    adopt(loaded.interventions)
     _restore_as_saved(loaded, load_directory)
     hidden = floating_dtype(loaded.model)
     if hidden is not None:  # float32 interventions (FSDP2's master weights under --bf16) onto a bf16 base
