@@ -42,7 +42,10 @@ def check_wrapped():
         if kind == "entry":  # a plain function in front of what was there (another fix's wrap, or the original)
             assert is_entry(current) and isinstance(current, types.FunctionType), f"{site} is no entry: {current!r}"
             inner = current.__wrapped__
-            assert not is_entry(inner), f"{site} has two entries"
+            while is_entry(inner):  # the entries of several fixes stack, each once (the later outside)
+                assert inner is not current and inner.__pyvene_dist_made_by__ is not current.__pyvene_dist_made_by__, \
+                    f"{site} has one fix's entry twice"
+                inner = inner.__wrapped__
             original = inner.__wrapped__ if isinstance(inner, wrapt.FunctionWrapper) else inner
             if site in captured:
                 assert original is captured[site], f"{site} stands in front of something other than the original"
