@@ -3,8 +3,8 @@
     import pyvene_dist
     pyvene_dist.patch()        # before building models; stock pyvene/pyreft/HF Trainer code then works
 
-Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly (the
-import adds one finder, for the old names of moved modules: ``_moved_modules``).
+Importing this package changes nothing: only ``patch()`` does, and ``unpatch()`` undoes it exactly (the old
+names of moved modules are files of the package's own, ``_old_names/``: ``_moved_modules``).
 
 Beside ``patch()``: ``gather.gathered`` (the interventions whole outside a forward, as for a save under
 ZeRO-3), ``optim``, ``fully_shard``, ``testing`` (the parity harness) and the commands
@@ -19,10 +19,10 @@ from typing import Iterable, Iterator
 __version__ = "0.1.0"
 __all__ = ("patch", "unpatch", "patched", "is_patched", "positions_from_attention_mask", "__version__")
 
-from . import _moved_modules
+from ._moved_modules import old_names_folder
 from ._options import ALLOW_UNSUPPORTED, Options  # dataclasses and os only
 
-_moved_modules.install()
+__path__.append(old_names_folder(__file__))  # last: a module of today's name is found first
 
 
 def patch(

@@ -1,17 +1,18 @@
 """The old names of moved modules, still importable with a ``DeprecationWarning`` naming the new one.
 
 Each name is used at one level only, so a module whose name repeated another's was renamed (``fsdp`` beside
-``fixes.fsdp``, ``testing.registry`` beside ``_registry``, ...). No file keeps the old name: ``Finder``, on
-``sys.meta_path`` after the finders of files, answers only for the names in ``MOVED``, with a module that
-forwards every attribute to the new one, so ``from pyvene_dist.fsdp import fully_shard_model`` gives the same
-function as ``from pyvene_dist.fully_shard import fully_shard_model``.
+``fixes.fsdp``, ``testing.registry`` beside ``_registry``, ...). The old names are files of their own in an
+``_old_names`` folder that the package lists last on its own ``__path__`` (``pyvene_dist`` and
+``pyvene_dist.testing``), so ``import pyvene_dist.fsdp`` finds ``_old_names/fsdp.py`` and nothing outside the
+package changes: no finder on ``sys.meta_path``, no path hook. Each file calls ``forward(__name__)``, which
+makes the module forward every attribute to the new one, so ``from pyvene_dist.fsdp import fully_shard_model``
+gives the same function as ``from pyvene_dist.fully_shard import fully_shard_model``.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
+import os
 import sys
 import warnings
 
@@ -23,27 +24,25 @@ MOVED = {
     "pyvene_dist.testing.tensor_parallel": "pyvene_dist.testing.mesh_runners",
     "pyvene_dist.testing.quantized": "pyvene_dist.testing.quantized_cases",
 }
+#: The folder of each package that holds its old names.
+FOLDER = "_old_names"
 
 
-class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds and loads the old names of ``MOVED``; every other name is left to the other finders."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def exec_module(self, module) -> None:
-        new = MOVED[module.__name__]
-        warnings.warn(f"{module.__name__} is now {new}: import it from there ({module.__name__} goes in a later "
-                      "release)", DeprecationWarning, stacklevel=2)
-        target = importlib.import_module(new)
-        module.__getattr__ = lambda name: getattr(target, name)
-        module.__dir__ = lambda: dir(target)
-        module.__doc__ = target.__doc__
+def old_names_folder(package_file: str) -> str:
+    """The ``_old_names`` folder beside a package's ``__init__.py``, for the package to list on its ``__path__``."""
+    return os.path.join(os.path.dirname(package_file), FOLDER)
 
 
-def install() -> None:
-    """Put one ``Finder`` last on ``sys.meta_path`` (a second call, or a second import of pyvene_dist, adds none)."""
-    if not any(type(finder).__name__ == "Finder" and type(finder).__module__ == __name__ for finder in sys.meta_path):
-        sys.meta_path.append(Finder())
+def forward(name: str) -> None:
+    """Make the module ``name`` (an old name being imported) stand for the module it is now, warning once, at the
+    line that imports it (the warnings module skips importlib's own frames)."""
+    new = MOVED.get(name)
+    if new is None:
+        raise ImportError(f"{name} is no old module name; the old names are {', '.join(MOVED)}")
+    warnings.warn(f"{name} is now {new}: import it from there ({name} goes in a later release)",
+                  DeprecationWarning, stacklevel=3)
+    target = importlib.import_module(new)
+    module = sys.modules[name]
+    module.__getattr__ = lambda attribute: getattr(target, attribute)
+    module.__dir__ = lambda: dir(target)
+    module.__doc__ = target.__doc__

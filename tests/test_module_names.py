@@ -27,7 +27,7 @@ def repeated_names(root: Path) -> dict[str, list[str]]:
     """Module name (without leading ``_``) -> the paths under ``root`` that use it, where more than one does."""
     paths = collections.defaultdict(list)
     for path in sorted(root.rglob("*.py")):
-        if path.stem not in SHARED:
+        if path.stem not in SHARED and _moved_modules.FOLDER not in path.parts:
             paths[path.stem.lstrip("_")].append(path.relative_to(root).as_posix())
     return {name: found for name, found in paths.items() if len(found) > 1}
 
@@ -40,7 +40,7 @@ def test_no_module_name_is_used_at_two_levels():
 
 def test_a_repeated_name_is_found_with_or_without_its_underscore(tmp_path):
     for path in ("fsdp.py", "fixes/fsdp.py", "_registry.py", "testing/registry.py", "testing/case.py",
-                 "fixes/__init__.py", "__init__.py"):
+                 "fixes/__init__.py", "__init__.py", "_old_names/case.py"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
     assert repeated_names(tmp_path) == {"fsdp": ["fixes/fsdp.py", "fsdp.py"],
@@ -48,12 +48,20 @@ def test_a_repeated_name_is_found_with_or_without_its_underscore(tmp_path):
 
 
 def test_an_old_name_imports_the_new_module_with_a_warning_naming_it():
-    """In a fresh interpreter, so that no name is imported yet; no file keeps an old name."""
+    """In a fresh interpreter, so that no name is imported yet; an old name's file is only its package's
+    ``_old_names/`` forwarder, and importing pyvene_dist changes no finder or path hook of the interpreter."""
     kept = [old for old in _moved_modules.MOVED if (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists()]
     assert not kept, f"still files: {kept}"
+    forwarders = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob(f"{_moved_modules.FOLDER}/*.py")
+                        if path.stem != "__init__")
+    assert forwarders == sorted(
+        "/".join([*old.split(".")[1:-1], _moved_modules.FOLDER, old.split(".")[-1]]) + ".py"
+        for old in _moved_modules.MOVED), forwarders
     code = """if True:
         import importlib, sys, warnings
+        interpreter = list(sys.meta_path), list(sys.path_hooks)
         from pyvene_dist._moved_modules import MOVED
+        assert (list(sys.meta_path), list(sys.path_hooks)) == interpreter, "importing pyvene_dist changed them"
         for old, new in MOVED.items():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

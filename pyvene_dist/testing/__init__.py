@@ -9,12 +9,15 @@ The harness in parts: ``case`` (what to train, ``Record``, ``Tolerance``), ``run
 (``STRATEGIES``), ``training`` (``train``) and ``comparison`` (``assert_parity``).
 """
 
+from .._moved_modules import old_names_folder
 from .case import DEEPSPEED_BF16, TOLERANCES, ParityCase, Record, Tolerance, tolerance
 from .comparison import Differences, assert_parity, differences, intervention_grads, intervention_weights
 from .launch import WorldOutcome, spawn
 from .strategies import STRATEGIES
 from .runners import Strategy
 from .training import train
+
+__path__.append(old_names_folder(__file__))  # the harness's old module names, last (``_moved_modules``)
 
 __all__ = [
     "DEEPSPEED_BF16",
