@@ -23,15 +23,21 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import json
 import marshal
 import os
 import sys
 import textwrap
 import tokenize
 import types
+from importlib import metadata
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
+
+from packaging.version import InvalidVersion, Version
+
+from ._fingerprints_table import FILES, KNOWN
 
 if TYPE_CHECKING:
     from ._records import Fix
@@ -206,16 +212,12 @@ def static_fingerprint(target: Target, root: str | os.PathLike | None = None, fr
 
 def known() -> dict[str, dict[str, tuple[str, ...]]]:
     """Target -> {form: the releases it was seen and tested with}."""
-    from ._fingerprints_table import KNOWN
-
     return KNOWN
 
 
 def known_files() -> dict[str, dict[str, dict[str, str]]]:
     """Module -> {digest of a file it was recorded from: {qualified name: its form there}}: ``static_fingerprint``'s
     index, so that a release as recorded is checked by hashing files."""
-    from ._fingerprints_table import FILES
-
     return FILES
 
 
@@ -232,8 +234,6 @@ def checked_on(fix: "Fix", table: dict | None = None) -> dict[str, list[str]]:
 
 
 def _release_order(release: str):
-    from packaging.version import InvalidVersion, Version
-
     try:
         return (0, Version(release), release)
     except InvalidVersion:
@@ -243,11 +243,6 @@ def _release_order(release: str):
 def installed_release(distribution: str) -> str | None:
     """The installed release as the table names it: its public version (torch's ``+cpu`` left off), with
     ``+git.<commit>`` for one installed from a git checkout (PEP 610's ``direct_url.json``)."""
-    import json
-    from importlib import metadata
-
-    from packaging.version import Version
-
     try:
         found = metadata.distribution(distribution)
     except metadata.PackageNotFoundError:

@@ -34,6 +34,7 @@ import time
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -42,8 +43,6 @@ ARRIVAL_TIMEOUT_S = 30.0
 
 
 def is_main_process() -> bool:
-    import torch.distributed as dist
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
@@ -134,13 +133,11 @@ def _wait_for_every_rank(names: list[str], largest: int | None = None) -> None:
     The count lives in the default process group's store (each rank numbers its own gathers there), so
     ranks that save and load in step agree on each key without any collective.
     """
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    from torch.distributed.distributed_c10d import _get_default_store
 
-    store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+    store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
     number = store.add(f"pyvene_dist/gather/rank{rank}", 1)
     key = f"pyvene_dist/gather/{number}"
     arrived, deadline = store.add(key, 1), time.monotonic() + ARRIVAL_TIMEOUT_S
