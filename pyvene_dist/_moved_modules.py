@@ -15,15 +15,16 @@ import importlib
 import os
 import sys
 import warnings
+from types import MappingProxyType
 
 #: Old module name -> the module it is now (``fixes.RENAMED`` is the fixes' old names, for ``patch()``).
-MOVED = {
+MOVED = MappingProxyType({
     "pyvene_dist.fsdp": "pyvene_dist.fully_shard",
     "pyvene_dist.plan": "pyvene_dist.memory_plan",
     "pyvene_dist.testing.registry": "pyvene_dist.testing.strategies",
     "pyvene_dist.testing.tensor_parallel": "pyvene_dist.testing.mesh_runners",
     "pyvene_dist.testing.quantized": "pyvene_dist.testing.quantized_cases",
-}
+})
 #: The folder of each package that holds its old names.
 FOLDER = "_old_names"
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterable
 
 import torch
@@ -66,10 +67,10 @@ CHECKED = (
 REFERENCE = "single"
 #: What ``check --quantize`` runs by default, and all it takes: the strategies that trained LoReFT over that
 #: bitsandbytes base with one process's results on the CPU (tests/strategies/test_quantized.py; FSDP refuses 8-bit).
-QUANTIZED_CHECKED = {
+QUANTIZED_CHECKED = MappingProxyType({
     "4bit": ("ddp", "fsdp2", "fsdp2+checkpointing", "accelerate", "zero3", "zero3+checkpointing"),
     "8bit": ("ddp", "accelerate", "zero3"),
-}
+})
 
 
 @dataclasses.dataclass

@@ -9,11 +9,12 @@ naming the torch one (``deprecated``, which ``pyvene-dist``'s old ``--layers '2;
 from __future__ import annotations
 
 import sys
+from types import MappingProxyType
 
 #: The torch names of the dtypes the commands and scripts take.
 DTYPES = ("float32", "bfloat16", "float16")
 #: The short names plan took before, and what each stands for.
-OLD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+OLD_DTYPES = MappingProxyType({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
 
 
 def deprecated(old: str, new: str, program: str = "pyvene-dist") -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -29,18 +30,18 @@ from .testing.check_runs import model_config
 GIB = 2**30
 #: The strategies `pyvene-dist plan` estimates, as named in the harness's registry.
 PLANNED = ("ddp", "fsdp2", "zero2", "zero3", "zero3-offload", "device_map")
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+DTYPE_BYTES = MappingProxyType({"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4})
 #: The strategies planned for a quantized base (``--quantize``): FSDP2 also with its CPU offload
 #: (``CPUOffloadPolicy``), what PEFT and fsdp_qlora use for a 70B on 2 x 24 GB.
 QUANTIZED_PLANNED = ("ddp", "fsdp2", "fsdp2-offload", "zero2", "zero3", "zero3-offload", "device_map")
 #: Bytes per element of a quantized linear weight, as transformers configures bitsandbytes by default: 4-bit packs
 #: two elements a byte and keeps one float32 absmax per block of 64 (no double quantization); 8-bit (LLM.int8)
 #: one byte an element, plus a float32 scale per output row (``rows``).
-QUANTIZED_BYTES = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
+QUANTIZED_BYTES = MappingProxyType({"4bit": 0.5 + 4 / 64, "8bit": 1.0})
 #: What FSDP cannot shard (``pyvene_dist.quantized``: refused before sharding).
-QUANTIZED_REFUSED = {"8bit": ("fsdp2", "fsdp2-offload")}
+QUANTIZED_REFUSED = MappingProxyType({"8bit": ("fsdp2", "fsdp2-offload")})
 #: DeepSpeed's own defaults for the ZeRO-3 settings that decide what is held gathered or buffered.
-ZERO_DEFAULTS = {"stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e7, "reduce_bucket_size": 5e8}
+ZERO_DEFAULTS = MappingProxyType({"stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e7, "reduce_bucket_size": 5e8})
 
 
 @dataclasses.dataclass(frozen=True)

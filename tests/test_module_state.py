@@ -31,26 +31,12 @@ OWNER = "_registry.py"
 #: frozenset, a ``MappingProxyType`` or ``Final`` and takes its line out of here (an entry whose finding is gone
 #: fails ``test_the_allow_list_names_only_what_is_there``). All but ``_servers`` are tables, not run-time state.
 ALLOWED = {
-    "_moved_modules.py:MOVED": "the helper that moved modules (names at one level): old module -> new",
-    "check.py:QUANTIZED_CHECKED": "owner of check.py: quantization -> strategies checked",
     "fixes/__init__.py:RENAMED": "owner of fixes/__init__.py (fix selection): old fix name -> new names",
-    "flags.py:OLD_DTYPES": "owner of flags.py: old dtype word -> torch's",
     "mechanisms/batch_split.py:_SPLITS": "helper 'mechanisms' (from fixes/_scatter.py): argument -> splitter",
     "mechanisms/dtype_checks.py:HIDDEN_STATE_LAYERS": "helper 'mechanisms' (from fixes/locations.py): "
                                                       "intervention -> layers",
-    "memory_plan.py:DTYPE_BYTES": "owner of memory_plan.py (was plan.py): dtype word -> bytes",
-    "memory_plan.py:QUANTIZED_BYTES": "owner of memory_plan.py: quantization -> bytes per weight",
-    "memory_plan.py:QUANTIZED_REFUSED": "owner of memory_plan.py: quantization -> strategies refused",
-    "memory_plan.py:ZERO_DEFAULTS": "owner of memory_plan.py: DeepSpeed's defaults",
-    "testing/__init__.py:__all__": "owner of testing/: a list of names (a tuple would do)",
-    "testing/_preloaded.py:PRELOAD": "owner of testing/: modules a fork server preloads",
     "testing/_preloaded.py:_servers": "owner of testing/: the harness's fork servers, one per setting, for the "
                                       "process's life (test infrastructure, no model's state): the one real state",
-    "testing/case.py:TOLERANCES": "owner of testing/: dtype -> tolerance",
-    "testing/matrix.py:SUPPORTS": "owner of testing/: attention -> the flag a model class sets",
-    "testing/models.py:LLAMA_SHAPES": "owner of testing/: size -> config",
-    "testing/models.py:BASE_MODELS": "owner of testing/: name -> builder",
-    "testing/strategies.py:STRATEGIES": "owner of testing/ (was testing/registry.py): the harness's strategies",
 }
 
 

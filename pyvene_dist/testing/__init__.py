@@ -19,7 +19,7 @@ from .training import train
 
 __path__.append(old_names_folder(__file__))  # the harness's old module names, last (``_moved_modules``)
 
-__all__ = [
+__all__ = (
     "DEEPSPEED_BF16",
     "STRATEGIES",
     "TOLERANCES",
@@ -36,4 +36,4 @@ __all__ = [
     "spawn",
     "tolerance",
     "train",
-]
+)

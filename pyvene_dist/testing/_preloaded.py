@@ -27,7 +27,7 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from .._options import switch
 
 #: What the server imports once: what a rank imports before its first line (``_preload`` names them).
-PRELOAD = ["pyvene_dist.testing._preload"]
+PRELOAD = ("pyvene_dist.testing._preload",)
 VARIABLE = "PYVENE_DIST_FORKSERVER"
 
 #: At most this many servers, one per environment and ``sys.path`` ranks were started under; past it, spawn.
@@ -90,7 +90,7 @@ def context():
             if len(_servers) >= MAX_SERVERS:
                 return multiprocessing.get_context("spawn")
             server = forkserver.ForkServer()
-            server.set_forkserver_preload(PRELOAD)
+            server.set_forkserver_preload(list(PRELOAD))
             server.ensure_running()
             _servers[key] = server
     return _Context(key)

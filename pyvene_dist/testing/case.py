@@ -4,6 +4,7 @@ data, steps), ``Record`` (what one run produced) and ``Tolerance`` (the bound, p
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -29,14 +30,14 @@ class Tolerance:
     adam_lr: float = 0.0
 
 
-TOLERANCES = {
+TOLERANCES = MappingProxyType({
     torch.float32: Tolerance(1e-5, "fp32: the guide's bound; measured differences are ~1e-7"),
     # bf16 keeps 8 significant bits: one rounding step is 2**-8 = 3.9e-3 relative. A different
     # reduction order (two shards summed, then averaged) can move a value by a couple of steps.
     torch.bfloat16: Tolerance(
         4 * 2**-8, "bf16: 4 ulps of an 8-bit significand (3 roundings of half an ulp, plus cancellation); measured 1.4"
     ),
-}
+})
 #: DeepSpeed's bf16 mode is not plain bf16: the engine casts LoReFT's rotation (pyreft keeps it in float32) to
 #: bf16, accumulates the micro-batches' gradients in bf16 (``grad_accum_dtype`` defaults to the model's) and
 #: steps float32 master copies of the trainable weights, the head's too. Each side rounds differently, within

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import MappingProxyType
 
 import torch
 
@@ -46,8 +47,8 @@ def components(architecture: str) -> tuple[str, ...]:
 
 
 #: The model class's flag that says transformers lets it use each implementation (eager: every model).
-SUPPORTS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
-            "flex_attention": "_supports_flex_attn"}
+SUPPORTS = MappingProxyType({"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+            "flex_attention": "_supports_flex_attn"})
 
 
 def attentions(architecture: str) -> tuple[str, ...]:

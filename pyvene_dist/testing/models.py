@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
@@ -136,7 +137,7 @@ def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int =
 
 
 #: Llama shapes the benchmarks build (``llama``): a tiny one, and released models' shapes with random weights.
-LLAMA_SHAPES = {
+LLAMA_SHAPES = MappingProxyType({
     "tiny": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2),
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -145,7 +146,7 @@ LLAMA_SHAPES = {
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                        tie_word_embeddings=False),
-}
+})
 
 
 def llama(shape: str, *, dtype: torch.dtype, device, attention: str = "sdpa", checkpointing: bool = False,
@@ -165,8 +166,8 @@ def llama(shape: str, *, dtype: torch.dtype, device, attention: str = "sdpa", ch
 
 
 NUM_LABELS = 3
-BASE_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gemma2": tiny_gemma2,
-               "gpt2": tiny_gpt2, "gpt-neox": tiny_gpt_neox, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b}
+BASE_MODELS = MappingProxyType({"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gemma2": tiny_gemma2,
+               "gpt2": tiny_gpt2, "gpt-neox": tiny_gpt_neox, "llama-cls": tiny_llama_classifier, "llama-1b": llama_1b})
 CLASSIFIERS = frozenset({"llama-cls"})
 
 

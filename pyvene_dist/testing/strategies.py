@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Callable
 
 from .requirements import (Requirement, any_machine, gpu_per_rank, installed, tp_plan_splits_the_vocabulary,
@@ -52,7 +53,7 @@ def _deepspeed_arguments(stage: str) -> Callable[[], dict]:
 
 
 #: Every strategy the harness trains, ``pyvene-dist check`` runs (``check.CHECKED``) and benchmarks use.
-STRATEGIES: dict[str, Registered] = {
+STRATEGIES: dict[str, Registered] = MappingProxyType({
     "single": Registered(Strategy, trainer_arguments=_no_arguments),
     "ddp": Registered(DDP, trainer_arguments=_no_arguments),
     "fsdp2": Registered(FSDP2, trainer_arguments=_fsdp2_arguments),
@@ -72,4 +73,4 @@ STRATEGIES: dict[str, Registered] = {
     "tp-by-hand": Registered(lambda device=None: TensorParallel(device, by_hand=True)),
     "tp-fsdp2": Registered(TensorParallelFSDP2, two_dimensional),
     "hsdp": Registered(HSDP, two_dimensional),
-}
+})
