@@ -63,7 +63,8 @@ def patch_upstream(folder: Path) -> None:
         "_wait_for_forward_with_parallel_intervention", "_wait_for_forward_with_serial_intervention")]
     base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
     fast_path = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in ("forward", "generate")]
-    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path]):
+    orthogonal = ["pyvene.models.intervenable_base.IntervenableModel.load"]  # its entry adopts the loaded rotations
+    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path, *orthogonal]):
         raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 

@@ -71,7 +71,8 @@ FIX = Fix(
     __name__,
     sites=(
         Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry",
+             any_form=True),  # calls whatever load is, then adopts: upstream's load (saved_dtypes.diff) too
     ),
     # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
     # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
