@@ -44,7 +44,8 @@ class Site:
     puts a plain function in place of what the owner holds now (another fix's wrap, or the original):
     ``wrapper(current)`` returns it, and it calls ``current`` for what it does not do itself. torch.compile
     traces a plain function, where it runs a ``wrapt`` wrapper's original without the wrapper.
-    ``wrapper`` may be the name of an object of the fix's module, so the record can stand at its top.
+    ``wrapper`` is the object itself, never its name: a fix's record stands below the code it names, so a reader
+    follows each site to its wrapper as Python does.
 
     ``reexported_in`` names the modules that re-export the attribute (``from .modeling_utils import *``):
     each holds the same original under the same qualified name, and is patched the same way, since code
@@ -122,11 +123,11 @@ class Fix:
     #: without wrapping them (it mirrors them op for op, or reads what they set): ``patch()`` checks their forms
     #: as it does its sites'.
     relies_on: tuple[str, ...] = ()
-    #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``), or the name of that class in the
-    #: fix's module: made without arguments, with a ``close()`` that undoes what it holds.
-    state: type | str | None = None
+    #: The type of what the fix keeps per pyvene model (``pyvene_dist._state``): made without arguments, with a
+    #: ``close()`` that undoes what it holds.
+    state: type | None = None
     #: Run at ``patch()`` before the sites are touched, with the ``Options`` (a signature check, a switch).
-    on_patch: Callable[[Options], None] | str | None = None
+    on_patch: Callable[[Options], None] | None = None
     #: This fix's switches (``pyvene_dist._options.Option``): ``patch(name=...)`` takes each, checked here, and
     #: the fix reads it at run time as ``_registry.OPTIONS.current.<name>``.
     options: tuple[Option, ...] = ()
@@ -140,6 +141,12 @@ class Fix:
                             "pyvene_dist._options.Option")
         for path in self.relies_on:
             _check_path(f"Fix {self.module!r}: relies_on", path)
+        named = [f"{where}={value!r}" for where, value in (("state", self.state), ("on_patch", self.on_patch),
+                                                             *((f"Site({site.path!r}).wrapper", site.wrapper)
+                                                               for site in self.sites)) if isinstance(value, str)]
+        if named:
+            raise TypeError(f"Fix {self.module!r}: {', '.join(named)}: expected the object itself, not its name "
+                            "(put the record below the code it names)")
 
     @functools.cached_property  # read on hot paths (``FIX.name in APPLIED``)
     def name(self) -> str:
@@ -150,20 +157,11 @@ class Fix:
         """Every site ``patch()`` touches: each of ``sites`` in its module and where it is re-exported."""
         return tuple(place for site in self.sites for place in site.places())
 
-    def resolve(self, value: Any) -> Any:
-        """``value``, or the object of the fix's module it names."""
-        if not isinstance(value, str):
-            return value
-        try:
-            return getattr(importlib.import_module(self.module), value)
-        except AttributeError:
-            raise AttributeError(f"the fix {self.name!r} names {value!r}, which {self.module} lacks") from None
-
     def patch(self, undo_log: UndoLog, import_hooks: ImportHooks, options: Options = Options(allow_unsupported=False)) -> None:
         """Apply this fix, each change recorded in ``undo_log``: sites of imported modules now, of modules imported
         later (``IMPORTED_LATER``) on their import, through ``import_hooks``."""
         if self.on_patch is not None:
-            self.resolve(self.on_patch)(options)
+            self.on_patch(options)
         by_module: dict[str, list[Site]] = {}
         for site in self.places:
             by_module.setdefault(site.module, []).append(site)
@@ -181,14 +179,14 @@ def _apply_sites(fix: Fix, sites: tuple[Site, ...], undo_log: UndoLog, options: 
         if site.reexports is not None:
             _check_reexport(fix, site, owner, undo_log)
         if site.kind == "add":
-            undo_log.add(owner, site.attribute, fix.resolve(site.wrapper))
+            undo_log.add(owner, site.attribute, site.wrapper)
             continue
         if site.kind == "entry":
-            undo_log.enter(owner, site.attribute, fix.resolve(site.wrapper))
+            undo_log.enter(owner, site.attribute, site.wrapper)
             continue
         if site.kind == "replace" and undo_log.find(owner, site.attribute) is None:
             _check_fingerprint(fix, site, vars(owner).get(site.attribute), options)
-        undo_log.wrap(owner, site.attribute, fix.resolve(site.wrapper))
+        undo_log.wrap(owner, site.attribute, site.wrapper)
 
 
 def _check_reexport(fix: Fix, site: Site, owner: Any, undo_log: UndoLog) -> None:

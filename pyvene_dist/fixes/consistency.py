@@ -17,13 +17,14 @@ from __future__ import annotations
 from .._records import Fix, Site
 from ..mechanisms.same_interventions import check_same_interventions
 
-FIX = Fix(
-    __name__,
-    sites=(Site("torch.nn.parallel.distributed:DistributedDataParallel.__init__", "_wrap_ddp_init"),),
-)
-
 
 def _wrap_ddp_init(wrapped, instance, args, kwargs):
     module = args[0] if args else kwargs["module"]
     check_same_interventions(module, kwargs.get("process_group"))
     return wrapped(*args, **kwargs)
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("torch.nn.parallel.distributed:DistributedDataParallel.__init__", _wrap_ddp_init),),
+)

@@ -49,18 +49,6 @@ from .._records import Fix, Site
 from .._registry import APPLIED, MODELS
 from ..mechanisms.batch_split import batch_size_of, chunk_sizes, split_forward_arguments
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("torch.nn.parallel.data_parallel:DataParallel.scatter", "_wrap_scatter"),
-        Site("torch.nn.parallel.data_parallel:DataParallel.replicate", "_wrap_replicate"),
-        Site("pyvene.models.intervenable_base:BaseModel.get_device", "_wrap_get_device"),
-    ),
-    after=("hooks",),  # a replica's hook record is that fix's, where it is applied (removes_only_its_hooks)
-    state="DataParallelState",
-    relies_on=("torch.nn.parallel.replicate:replicate",),  # its replicas' shared hook dicts and _is_replica mark
-)
-
 
 @dataclasses.dataclass(eq=False)
 class DataParallelState:
@@ -215,3 +203,16 @@ def _to_device(value, device: torch.device):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(item, device) for item in value)
     return value
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("torch.nn.parallel.data_parallel:DataParallel.scatter", _wrap_scatter),
+        Site("torch.nn.parallel.data_parallel:DataParallel.replicate", _wrap_replicate),
+        Site("pyvene.models.intervenable_base:BaseModel.get_device", _wrap_get_device),
+    ),
+    after=("hooks",),  # a replica's hook record is that fix's, where it is applied (removes_only_its_hooks)
+    state=DataParallelState,
+    relies_on=("torch.nn.parallel.replicate:replicate",),  # its replicas' shared hook dicts and _is_replica mark
+)

@@ -28,25 +28,6 @@ from pyvene.models.intervenable_base import IntervenableModel
 from .._records import Fix, Site
 from ..mechanisms.partitioned_dtype import take_partitioned_dtype
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.basic_utils:count_parameters", "_wrap_count_parameters", kind="replace",
-             reexported_in=("pyvene.models.intervenable_base",)),
-        Site("pyvene.models.intervenable_base:BaseModel.count_parameters", "_wrap_model_count_parameters"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.__init__", "_wrap_model_init"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry"),
-        Site("pyreft.reft_model:count_parameters", "_wrap_count_parameters",  # pyreft's own copy of pyvene's
-             kind="replace"),
-        Site("pyreft.reft_model:ReftModel.print_trainable_parameters", "_wrap_print_trainable_parameters",
-             kind="replace"),
-    ),
-    # saved_dtypes: its wrap of IntervenableModel.load restores the saved dtypes; this fix's entry, outside it,
-    # then gives the interventions a ZeRO-3 partition's dtype again.
-    after=("saved_dtypes",),
-    upstream=("pyvene", "pyreft"),
-)
-
 
 def numel(parameter) -> int:
     """The parameter's full size, also when ZeRO-3 holds only a partition of it here."""
@@ -94,3 +75,23 @@ def _load_entry(load):
         return loaded
 
     return load_in_the_partitioned_dtype
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.basic_utils:count_parameters", _wrap_count_parameters, kind="replace",
+             reexported_in=("pyvene.models.intervenable_base",)),
+        Site("pyvene.models.intervenable_base:BaseModel.count_parameters", _wrap_model_count_parameters),
+        Site("pyvene.models.intervenable_base:IntervenableModel.__init__", _wrap_model_init),
+        Site("pyvene.models.intervenable_base:IntervenableModel.load", _load_entry, kind="entry"),
+        Site("pyreft.reft_model:count_parameters", _wrap_count_parameters,  # pyreft's own copy of pyvene's
+             kind="replace"),
+        Site("pyreft.reft_model:ReftModel.print_trainable_parameters", _wrap_print_trainable_parameters,
+             kind="replace"),
+    ),
+    # saved_dtypes: its wrap of IntervenableModel.load restores the saved dtypes; this fix's entry, outside it,
+    # then gives the interventions a ZeRO-3 partition's dtype again.
+    after=("saved_dtypes",),
+    upstream=("pyvene", "pyreft"),
+)

@@ -30,18 +30,6 @@ from torch import nn
 
 from .._records import Fix, Site
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.intervenable_base:BaseModel.set_device", "_wrap_set_device"),
-        Site("pyvene.models.intervenable_base:BaseModel.to", "_to", kind="add"),
-        Site("pyvene.models.intervenable_base:IntervenableModel._reconcile_stateful_cached_activations",
-             "_wrap_reconcile"),
-    ),
-    requires=("wrapper_attributes",),  # HF Trainer sees a split model through the wrapper's hf_device_map
-    upstream=("pyvene",),
-)
-
 
 def dispatched(model: nn.Module) -> bool:
     return getattr(model, "hf_device_map", None) is not None
@@ -108,3 +96,16 @@ def _hook_execution_device(hook) -> torch.device | None:
         if device is not None:
             return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     return None
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.intervenable_base:BaseModel.set_device", _wrap_set_device),
+        Site("pyvene.models.intervenable_base:BaseModel.to", _to, kind="add"),
+        Site("pyvene.models.intervenable_base:IntervenableModel._reconcile_stateful_cached_activations",
+             _wrap_reconcile),
+    ),
+    requires=("wrapper_attributes",),  # HF Trainer sees a split model through the wrapper's hf_device_map
+    upstream=("pyvene",),
+)

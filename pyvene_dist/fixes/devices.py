@@ -33,15 +33,6 @@ from .._records import Fix, Site
 from ..mechanisms.indices import as_index
 
 _UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{_UTILS}:gather_neurons", "_wrap_gather_neurons", kind="replace", reexported_in=(_BASE,)),
-        Site(f"{_UTILS}:scatter_neurons", "_wrap_scatter_neurons", kind="replace", reexported_in=(_BASE,)),
-    ),
-    upstream=("pyvene",),
-    on_patch="_check_signatures",
-)
 
 
 def _check_signatures(options) -> None:
@@ -163,3 +154,14 @@ def scatter_neurons(
     else:
         tensor_input[_batch_idx, unit_locations] = replacing_tensor_input
     return tensor_input
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_UTILS}:gather_neurons", _wrap_gather_neurons, kind="replace", reexported_in=(_BASE,)),
+        Site(f"{_UTILS}:scatter_neurons", _wrap_scatter_neurons, kind="replace", reexported_in=(_BASE,)),
+    ),
+    upstream=("pyvene",),
+    on_patch=_check_signatures,
+)

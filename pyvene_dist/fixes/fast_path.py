@@ -59,27 +59,6 @@ from ._fast_path_call import Call, Plan, Step, _call, _hook
 from ._fast_path_decoding import CompiledGenerationError, compiled_decoding  # noqa: F401 -- public here
 
 _BASE = "pyvene.models.intervenable_base"
-FIX = Fix(
-    __name__,
-    sites=(
-        # a forward or generate other than 0.1.8's (WRITTEN_FROM) sends its calls to the general path (``_changed``)
-        Site(f"{_BASE}:IntervenableModel.forward", "_forward_entry", kind="entry", any_form=True),
-        Site(f"{_BASE}:IntervenableModel.generate", "_generate_entry", kind="entry", any_form=True),
-    ),
-    # Its wrap of IntervenableModel.forward (the general path) stays under the entry: applied first.
-    after=("gradient_checkpointing",),
-    state="FastPathState",
-    # off: every forward and generate takes pyvene's general path (docs/fast_path.md)
-    options=(Option("fast_path", "PYVENE_DIST_FAST_PATH", default=True),),
-    # the plan calls what these do (Linear, Dropout, LinearActivation) when _call_impl would run only them
-    relies_on=(
-        "torch.nn.modules.module:Module._call_impl",
-        "torch.nn.modules.linear:Linear.forward",
-        "torch.nn.modules.dropout:Dropout.forward",
-        "torch.nn.functional:dropout",
-        "transformers.activations:LinearActivation.forward",
-    ),
-)
 #: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.
 WRITTEN_FROM = MappingProxyType({"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"})
@@ -313,3 +292,26 @@ def _build(model) -> Plan:
         plan.steps.append(step)
         plan.handles.append(model.intervention_hooks[key](_hook(plan, step), with_kwargs=True))
     return plan
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        # a forward or generate other than 0.1.8's (WRITTEN_FROM) sends its calls to the general path (``_changed``)
+        Site(f"{_BASE}:IntervenableModel.forward", _forward_entry, kind="entry", any_form=True),
+        Site(f"{_BASE}:IntervenableModel.generate", _generate_entry, kind="entry", any_form=True),
+    ),
+    # Its wrap of IntervenableModel.forward (the general path) stays under the entry: applied first.
+    after=("gradient_checkpointing",),
+    state=FastPathState,
+    # off: every forward and generate takes pyvene's general path (docs/fast_path.md)
+    options=(Option("fast_path", "PYVENE_DIST_FAST_PATH", default=True),),
+    # the plan calls what these do (Linear, Dropout, LinearActivation) when _call_impl would run only them
+    relies_on=(
+        "torch.nn.modules.module:Module._call_impl",
+        "torch.nn.modules.linear:Linear.forward",
+        "torch.nn.modules.dropout:Dropout.forward",
+        "torch.nn.functional:dropout",
+        "transformers.activations:LinearActivation.forward",
+    ),
+)

@@ -55,20 +55,6 @@ from ..mechanisms.own_dtype import compute_in_own_dtype
 from ..mechanisms.same_interventions import check_same_interventions
 from ..mechanisms.wrapped_models import intervenable_models
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", "_wrap_fully_shard",
-             reexported_in=("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp")),  # looked up in each
-        Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
-             "_wrap_fsdp1_init"),
-    ),
-    # consistency: its check of the ranks' interventions, where that fix is applied. (A model's DTensor record,
-    # reset when fully_shard makes some, is mechanisms.dtensors', whichever fixes read it.)
-    after=("consistency",),
-    state="FsdpState",
-)
-
 
 @dataclasses.dataclass(eq=False)
 class FsdpState:
@@ -194,3 +180,18 @@ def _compute_device(modules: list[nn.Module], ignored: set) -> torch.device:
             if parameter not in ignored:
                 return parameter.device
     raise RuntimeError("fully_shard left no parameter to tell the compute device from")
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", _wrap_fully_shard,
+             reexported_in=("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp")),  # looked up in each
+        Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
+             _wrap_fsdp1_init),
+    ),
+    # consistency: its check of the ranks' interventions, where that fix is applied. (A model's DTensor record,
+    # reset when fully_shard makes some, is mechanisms.dtensors', whichever fixes read it.)
+    after=("consistency",),
+    state=FsdpState,
+)

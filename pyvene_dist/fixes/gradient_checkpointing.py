@@ -56,16 +56,6 @@ from ..mechanisms.copy_on_write import writing_to_copies
 from ..mechanisms.hook_handles import Kept, keeping, setters_kept_alive
 
 _BASE = "pyvene.models.intervenable_base"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{_BASE}:IntervenableModel.forward", "_wrap_forward"),
-        Site(f"{_BASE}:IntervenableModel._output_validation", "_wrap_output_validation"),
-    ),
-    requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
-    state="CheckpointingState",
-    upstream=("pyvene",),
-)
 
 
 class CheckpointingState:
@@ -198,3 +188,15 @@ def _wrap_output_validation(wrapped, instance, args, kwargs):
     if kept is not None:  # the last moment pyvene's source activations exist: cleanup clears them next
         kept.activations = dict(instance.activations)
     return wrapped(*args, **kwargs)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_BASE}:IntervenableModel.forward", _wrap_forward),
+        Site(f"{_BASE}:IntervenableModel._output_validation", _wrap_output_validation),
+    ),
+    requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
+    state=CheckpointingState,
+    upstream=("pyvene",),
+)

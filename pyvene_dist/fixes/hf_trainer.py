@@ -33,14 +33,6 @@ from .._records import Fix, Site
 from ..mechanisms.wrapped_models import holds_intervenable_model
 
 TRANSFORMERS = "transformers.trainer"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", "_wrap_set_signature_columns"),
-        Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", "_wrap_create_accelerator"),
-    ),
-    upstream=("pyreft",),
-)
 #: The batch keys pyreft's trainers read in ``compute_loss``.
 PYREFT_COLUMNS = ("input_ids", "attention_mask", "labels", "intervention_locations", "subspaces")
 
@@ -78,3 +70,13 @@ def _give_the_timeout_to_a_cpu_group(arguments) -> None:
             "leaves the others waiting gloo's own timeout", arguments.ddp_timeout)
         return
     set_timeout(datetime.timedelta(seconds=arguments.ddp_timeout))
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{TRANSFORMERS}:Trainer._set_signature_columns_if_needed", _wrap_set_signature_columns),
+        Site(f"{TRANSFORMERS}:Trainer.create_accelerator_and_postprocess", _wrap_create_accelerator),
+    ),
+    upstream=("pyreft",),
+)

@@ -50,16 +50,6 @@ from ..mechanisms.copy_on_write import must_copy, writing_to_copies
 from ..mechanisms.hook_handles import HookState, keeping
 
 _BASE = "pyvene.models.intervenable_base"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{_BASE}:IntervenableModel._intervention_getter", "_wrap_hook_factory"),
-        Site(f"{_BASE}:IntervenableModel._intervention_setter", "_wrap_setter_factory"),
-        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", "_wrap_remove_forward_hooks", kind="replace"),
-    ),
-    state=HookState,
-    upstream=("pyvene",),
-)
 
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
@@ -115,3 +105,15 @@ def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):
     handles, state.handles = state.handles, []
     for handle in handles:
         handle.remove()
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_BASE}:IntervenableModel._intervention_getter", _wrap_hook_factory),
+        Site(f"{_BASE}:IntervenableModel._intervention_setter", _wrap_setter_factory),
+        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", _wrap_remove_forward_hooks, kind="replace"),
+    ),
+    state=HookState,
+    upstream=("pyvene",),
+)

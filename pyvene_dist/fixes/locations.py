@@ -60,13 +60,6 @@ class LocationError(ValueError, IndexError):
     """Locations that do not fit the model or the batch: a ``ValueError``, and an ``IndexError`` as pyvene's
     own error for some of them was, so that code catching pyvene's error catches this one."""
 
-FIX = Fix(
-    __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel._input_validation", "_wrap_input_validation"),),
-    requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
-    upstream=("pyvene",),
-)
-
 
 def _wrap_input_validation(wrapped, instance, args, kwargs):
     base, _, unit_locations, _, subspaces = _validation_arguments(*args, **kwargs)
@@ -282,3 +275,11 @@ def _tensor_or_as_is(locations, device: torch.device):
         return as_index(locations, device)
     except (TypeError, ValueError):  # ragged or not integers: pyvene's own error follows
         return locations
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("pyvene.models.intervenable_base:BaseModel._input_validation", _wrap_input_validation),),
+    requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
+    upstream=("pyvene",),
+)

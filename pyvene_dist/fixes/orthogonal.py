@@ -67,27 +67,6 @@ from .._registry import APPLIED, MODELS, OPTIONS
 from ..mechanisms.householder_backward import closed_form_orthogonal
 from ..mechanisms.rotation_graphs import HALF, replayed
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.intervenable_base:BaseModel.__init__", "_wrap_base_model_init"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.load", "_load_entry", kind="entry",
-             any_form=True),  # calls whatever load is, then adopts: upstream's load (saved_dtypes.diff) too
-    ),
-    # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
-    # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
-    # forwards, which mechanisms.checkpoint_functions tells, set where gradient_checkpointing is applied.)
-    after=("householder",
-           # saved_dtypes: its wrap of IntervenableModel.load, which this fix's entry stacks on (applied first)
-           "saved_dtypes"),
-    state="OrthogonalState",
-    # off: LoReFT's rotation stays eager on CUDA (no graphs captured)
-    options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
-    on_patch="_configure",
-    # ReftOrthogonal's eager path and graphs are its forward, op for op
-    relies_on=("torch.nn.utils.parametrizations:_Orthogonal.forward",),
-)
-
 
 class OrthogonalState:
     """The rotations a model adopted, each -> torch's class, which it is given back at close (its class is
@@ -197,3 +176,25 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
     if state is None:  # a copy of an adopted rotation (deepcopy): no model to keep its graphs
         return None
     return replayed(state.graphs, orthogonal, X)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.intervenable_base:BaseModel.__init__", _wrap_base_model_init),
+        Site("pyvene.models.intervenable_base:IntervenableModel.load", _load_entry, kind="entry",
+             any_form=True),  # calls whatever load is, then adopts: upstream's load (saved_dtypes.diff) too
+    ),
+    # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
+    # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
+    # forwards, which mechanisms.checkpoint_functions tells, set where gradient_checkpointing is applied.)
+    after=("householder",
+           # saved_dtypes: its wrap of IntervenableModel.load, which this fix's entry stacks on (applied first)
+           "saved_dtypes"),
+    state=OrthogonalState,
+    # off: LoReFT's rotation stays eager on CUDA (no graphs captured)
+    options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
+    on_patch=_configure,
+    # ReftOrthogonal's eager path and graphs are its forward, op for op
+    relies_on=("torch.nn.utils.parametrizations:_Orthogonal.forward",),
+)

@@ -31,12 +31,6 @@ from __future__ import annotations
 
 from .._records import Fix, Site
 
-FIX = Fix(
-    __name__,
-    sites=(Site("pyvene.models.interventions:Intervention.__getitem__", "first_of_the_old_pair", kind="add"),),
-    upstream=("pyvene",),
-)
-
 
 def first_of_the_old_pair(self, index):
     if index == 0:
@@ -45,3 +39,10 @@ def first_of_the_old_pair(self, index):
         f"{type(self).__name__}[{index!r}]: model.interventions holds the interventions themselves since pyvene "
         "0.1.8, not (intervention, hook) pairs; [0] is the intervention, its hook is model.intervention_hooks[key]"
     )
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("pyvene.models.interventions:Intervention.__getitem__", first_of_the_old_pair, kind="add"),),
+    upstream=("pyvene",),
+)

@@ -30,15 +30,6 @@ from .._records import Fix, Site
 from ..mechanisms.parametrization_cache import cached_parametrizations
 from ..mechanisms.wrapped_models import is_replica
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.modeling_utils:do_intervention", "_wrap_with_cached_parametrizations",
-             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
-    ),
-    upstream=("pyvene",),
-)
-
 
 def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
     intervention = args[2] if len(args) > 2 else kwargs.get("intervention")
@@ -46,3 +37,13 @@ def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     with cached_parametrizations():
         return wrapped(*args, **kwargs)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.modeling_utils:do_intervention", _wrap_with_cached_parametrizations,
+             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
+    ),
+    upstream=("pyvene",),
+)

@@ -19,15 +19,6 @@ from pyvene.models.intervenable_modelcard import type_to_module_mapping
 
 from .._records import Fix, Site
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.modeling_utils:get_module_hook", "_wrap_get_module_hook",
-             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
-    ),
-    upstream=("pyvene",),
-)
-
 
 def _wrap_get_module_hook(wrapped, instance, args, kwargs):
     try:
@@ -60,3 +51,13 @@ def _unmapped_message(model, representation) -> str:
         f"    pyvene.type_to_dimension_mapping[{name}] = {{'block_output': ('hidden_size',), ...}}\n"
         f"or name a module path as the component, e.g. component='model.layers[0].output'"
     )
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.modeling_utils:get_module_hook", _wrap_get_module_hook,
+             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
+    ),
+    upstream=("pyvene",),
+)

@@ -49,14 +49,6 @@ from .._records import Fix, Site
 from ..mechanisms.dtensors import TensorParallelState, is_tensor_parallel
 
 _INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", "_wrap_wait_for_forward"),
-        Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", "_wrap_wait_for_forward"),
-    ),
-    state=TensorParallelState,
-)
 
 
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
@@ -200,3 +192,13 @@ def tensor_parallel_mesh(module: nn.Module, model: nn.Module):
         f"{type(module).__name__} holds a slice of its tensor but no tensor-parallel mesh was found: "
         "expected a linear layer with DTensor weights on a 1-D mesh or a mesh with a dimension named 'tp'"
     )
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", _wrap_wait_for_forward),
+        Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", _wrap_wait_for_forward),
+    ),
+    state=TensorParallelState,
+)

@@ -13,17 +13,6 @@ from torch import nn
 
 from .._records import Fix, Site
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyvene.models.intervenable_base:IntervenableModel.train", "_wrap_train",
-             kind="replace"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.eval", "_wrap_eval",
-             kind="replace"),
-    ),
-    upstream=("pyvene",),
-)
-
 
 def _wrap_train(wrapped, instance, args, kwargs):
     return nn.Module.train(instance, *args, **kwargs)
@@ -31,3 +20,15 @@ def _wrap_train(wrapped, instance, args, kwargs):
 
 def _wrap_eval(wrapped, instance, args, kwargs):
     return nn.Module.eval(instance)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyvene.models.intervenable_base:IntervenableModel.train", _wrap_train,
+             kind="replace"),
+        Site("pyvene.models.intervenable_base:IntervenableModel.eval", _wrap_eval,
+             kind="replace"),
+    ),
+    upstream=("pyvene",),
+)

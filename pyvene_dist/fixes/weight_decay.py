@@ -16,12 +16,6 @@ from ..optim import parametrization_original_names
 from ..mechanisms.wrapped_models import holds_intervenable_model
 
 MODULE = "transformers.trainer"
-FIX = Fix(
-    __name__,
-    sites=(Site(f"{MODULE}:Trainer.get_decay_parameter_names", "_wrap_get_decay_parameter_names"),),
-    requires=("parameters",),  # names parametrizations' originals by nn.Module's standard names
-    upstream=("pyreft",),
-)
 
 
 def _wrap_get_decay_parameter_names(wrapped, instance, args, kwargs):
@@ -31,3 +25,11 @@ def _wrap_get_decay_parameter_names(wrapped, instance, args, kwargs):
         return names
     never_decay = parametrization_original_names(model)
     return [name for name in names if name not in never_decay]
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site(f"{MODULE}:Trainer.get_decay_parameter_names", _wrap_get_decay_parameter_names),),
+    requires=("parameters",),  # names parametrizations' originals by nn.Module's standard names
+    upstream=("pyreft",),
+)

@@ -17,14 +17,6 @@ from ...mechanisms.arguments import bound
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
 from ._files import INTERVENTIONS_DIR
 
-FIX = Fix(
-    __name__,
-    sites=(Site("transformers.trainer:Trainer._load_from_checkpoint", "_wrap_load_from_checkpoint"),),
-    # intervention_files: the exact states file load_intervention reads (pyreft's compact form is not exact).
-    requires=("intervention_files",),
-    upstream=("pyreft",),
-)
-
 
 def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):
     arguments = bound(wrapped, args, kwargs).arguments
@@ -34,3 +26,12 @@ def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     unwrap_intervenable_model(model).load_intervention(directory, include_model=True)
     return None
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("transformers.trainer:Trainer._load_from_checkpoint", _wrap_load_from_checkpoint),),
+    # intervention_files: the exact states file load_intervention reads (pyreft's compact form is not exact).
+    requires=("intervention_files",),
+    upstream=("pyreft",),
+)

@@ -30,14 +30,6 @@ from ._base_weights import loaded_base_weights, load_base_weights, read_model_fi
 from ._files import MODEL_FILE, STATES_FILE, cpu_copies, device_of, read_saved
 
 PYVENE = "pyvene.models.intervenable_base"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{PYVENE}:IntervenableModel.save_intervention", "_wrap_save_intervention", kind="replace"),
-        Site(f"{PYVENE}:IntervenableModel.load_intervention", "_wrap_load_intervention", kind="replace"),
-    ),
-    upstream=("pyvene",),
-)
 
 
 def _wrap_save_intervention(wrapped, instance, args, kwargs):
@@ -77,3 +69,13 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
                     intervention.load_state_dict(read_saved(path, map_location=device_of(intervention)))
         if include_model:
             load_base_weights(instance, saved_base, base)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYVENE}:IntervenableModel.save_intervention", _wrap_save_intervention, kind="replace"),
+        Site(f"{PYVENE}:IntervenableModel.load_intervention", _wrap_load_intervention, kind="replace"),
+    ),
+    upstream=("pyvene",),
+)

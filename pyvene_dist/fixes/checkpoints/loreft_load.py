@@ -19,12 +19,6 @@ from torch.nn.utils.parametrizations import _Orthogonal
 from ..._records import Fix, Site
 from ...mechanisms.arguments import bound
 
-FIX = Fix(
-    __name__,
-    sites=(Site("pyreft.interventions:LoreftIntervention.load_state_dict", "_wrap_loreft_load_state_dict",
-                kind="replace"),),
-    upstream=("pyreft",),
-)
 #: Dtypes in which torch's QR (``geqrf``, behind the orthogonal map's ``right_inverse``) runs on every device.
 _QR_DTYPES = (torch.float32, torch.float64)
 
@@ -63,3 +57,11 @@ def load_rotation(layer: nn.Module, rotation: torch.Tensor) -> None:
     if len(weights) == 1 and isinstance(weights[0], _Orthogonal) and getattr(weights[0], "base", None) is not None:
         tall = saved if saved.size(-2) >= saved.size(-1) else saved.mT
         weights[0].base[..., :tall.size(-1)] = tall.to(weights[0].base.dtype)
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("pyreft.interventions:LoreftIntervention.load_state_dict", _wrap_loreft_load_state_dict,
+                kind="replace"),),
+    upstream=("pyreft",),
+)

@@ -21,12 +21,6 @@ from torch import nn
 from ..._records import Fix, Site
 from ...gather import whole_here
 
-FIX = Fix(
-    __name__,
-    sites=(Site("pyreft.interventions:LoreftIntervention.state_dict", "_wrap_loreft_state_dict"),),
-    upstream=("pyreft",),
-)
-
 
 def _wrap_loreft_state_dict(wrapped, instance, args, kwargs):
     if args or kwargs:  # a parent module collecting its state: nn.Module's entries, into its destination
@@ -48,3 +42,10 @@ def rotation_without_hooks(layer: nn.Module) -> torch.Tensor:
     for parametrization in weights:
         value = type(parametrization).forward(parametrization, value)
     return value
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site("pyreft.interventions:LoreftIntervention.state_dict", _wrap_loreft_state_dict),),
+    upstream=("pyreft",),
+)

@@ -42,14 +42,6 @@ from ._base_weights import loaded_base_weights, load_base_weights, read_model_fi
 from ._files import MODEL_FILE, SAVED_STATES_FILE, check_readable, cpu_copies, device_of, read_saved
 
 PYVENE = "pyvene.models.intervenable_base"
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{PYVENE}:IntervenableModel.save", "_wrap_save"),
-        Site(f"{PYVENE}:IntervenableModel.load", "_wrap_load"),
-    ),
-    upstream=("pyvene",),
-)
 
 
 def _wrap_save(wrapped, instance, args, kwargs):
@@ -142,3 +134,13 @@ def _take_saved_dtypes(module: nn.Module, state: dict) -> bool:
             tensor.data = tensor.data.to(saved.dtype)
             changed = True
     return changed
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYVENE}:IntervenableModel.save", _wrap_save),
+        Site(f"{PYVENE}:IntervenableModel.load", _wrap_load),
+    ),
+    upstream=("pyvene",),
+)

@@ -26,19 +26,6 @@ from ...mechanisms.arguments import bound
 from ...mechanisms.wrapped_models import unwrap_intervenable_model
 from ._files import INTERVENTIONS_DIR
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site("pyreft.reft_trainer:ReftTrainer.save_model", "_wrap_save_model", kind="replace"),
-        Site("pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model", "_wrap_save_model_on_every_rank",
-             kind="replace"),
-        Site("pyreft.reft_trainer:ReftTrainer._load_best_model", "_wrap_load_best_model"),
-    ),
-    # intervention_files: what every rank's save_intervention gathers and rank 0 alone writes.
-    requires=("intervention_files",),
-    upstream=("pyreft",),
-)
-
 
 def _wrap_save_model(wrapped, instance, args, kwargs):
     from transformers import Trainer  # transformers.trainer: imported with pyreft, which this site waits for
@@ -66,3 +53,17 @@ def _wrap_load_best_model(wrapped, instance, args, kwargs):
     logging.get_logger(__name__).warning(f"Loading best model from {best} (score: {instance.state.best_metric}).")
     unwrap_intervenable_model(instance.model).load_intervention(os.path.join(best, INTERVENTIONS_DIR),
                                                                include_model=True)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site("pyreft.reft_trainer:ReftTrainer.save_model", _wrap_save_model, kind="replace"),
+        Site("pyreft.reft_trainer:ReftTrainerForCausalLMDistributed.save_model", _wrap_save_model_on_every_rank,
+             kind="replace"),
+        Site("pyreft.reft_trainer:ReftTrainer._load_best_model", _wrap_load_best_model),
+    ),
+    # intervention_files: what every rank's save_intervention gathers and rank 0 alone writes.
+    requires=("intervention_files",),
+    upstream=("pyreft",),
+)

@@ -33,7 +33,7 @@ def step_name(stage: str, fix_module: str) -> str:
     return stage + fix_module.rsplit(".", 1)[-1]
 
 
-def step_sites(stage: str, fix_module: str, step: str) -> tuple[Site, Site]:
+def step_sites(stage: str, fix_module: str, step: Callable) -> tuple[Site, Site]:
     """A fix's two sites for its step at ``stage``: the method the stage belongs to (``ReftTrainer.__init__`` or
     ``.train``, added by whichever fix comes first), and ``step``, a function of the fix's module, beside it."""
     method, added = ("__init__", reft_trainer_init) if stage in (BEFORE_INIT, AFTER_INIT) else ("train", reft_trainer_train)

@@ -18,14 +18,6 @@ import torch
 from ..._records import Fix, Site
 from ._trainer_steps import PYREFT
 
-FIX = Fix(
-    __name__,
-    sites=(Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", "_wrap_evaluate", kind="replace"),),
-    requires=("devices",),
-    upstream=("pyreft",),
-    relies_on=("transformers.trainer:Trainer.evaluate",),  # the arguments it takes and the metrics it logs
-)
-
 
 def _wrap_evaluate(wrapped, instance, args, kwargs):
     return _evaluate_sequence_classification(instance, *args, **kwargs)
@@ -62,3 +54,12 @@ def _evaluate_sequence_classification(trainer, eval_dataset=None, ignore_keys=No
     trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
     trainer._memory_tracker.stop_and_update_metrics(metrics)
     return metrics
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site(f"{PYREFT}:ReftTrainerForSequenceClassification.evaluate", _wrap_evaluate, kind="replace"),),
+    requires=("devices",),
+    upstream=("pyreft",),
+    relies_on=("transformers.trainer:Trainer.evaluate",),  # the arguments it takes and the metrics it logs
+)

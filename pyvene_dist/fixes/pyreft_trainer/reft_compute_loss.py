@@ -47,18 +47,6 @@ from ...mechanisms.arguments import bound
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
 from ._trainer_steps import AFTER_INIT, PYREFT, step_sites
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainer.compute_loss", "_wrap_compute_loss"),
-        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss", "_wrap_compute_loss"),
-        *step_sites(AFTER_INIT, __name__, "_count_the_batch_for_pyrefts_loss"),
-    ),
-    # pyreft's locations are passed on as tensors, which that fix indexes with
-    requires=("devices",),
-    upstream=("pyreft",),
-    relies_on=("transformers.trainer:Trainer.compute_loss",),  # the loss share is its
-)
 #: HF Trainer's loss keyword, which pyreft's ``compute_loss`` lacked until after 0.1.0.
 NUM_ITEMS = "num_items_in_batch"
 
@@ -180,3 +168,17 @@ def _runs_causal_lm_loss(trainer_class, model) -> bool:
 
 def _defining_class(cls, attribute: str):
     return next(owner for owner in cls.__mro__ if attribute in vars(owner))
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYREFT}:ReftTrainer.compute_loss", _wrap_compute_loss),
+        Site(f"{PYREFT}:ReftTrainerForSequenceClassification.compute_loss", _wrap_compute_loss),
+        *step_sites(AFTER_INIT, __name__, _count_the_batch_for_pyrefts_loss),
+    ),
+    # pyreft's locations are passed on as tensors, which that fix indexes with
+    requires=("devices",),
+    upstream=("pyreft",),
+    relies_on=("transformers.trainer:Trainer.compute_loss",),  # the loss share is its
+)

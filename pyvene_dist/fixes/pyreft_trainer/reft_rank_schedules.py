@@ -19,12 +19,6 @@ import torch.distributed as dist
 from ..._records import Fix
 from ._trainer_steps import CHECK_TRAIN, step_sites
 
-FIX = Fix(
-    __name__,
-    sites=step_sites(CHECK_TRAIN, __name__, "_refuse_schedules_that_differ_between_ranks"),
-    upstream=("pyreft",),
-    relies_on=("transformers.trainer:Trainer.train",),  # the collectives these arguments schedule in it
-)
 #: The ``TrainingArguments`` that decide at which steps HF Trainer runs a collective: logging gathers the loss
 #: and the FLOs, saving the FLOs (and ``save_model`` may gather), evaluating gathers predictions, each step may
 #: gather the label count; the step count and accumulation decide how many of each there are.
@@ -69,3 +63,11 @@ def _length(dataset) -> int | None:
         return len(dataset)
     except TypeError:  # an IterableDataset, or none
         return None
+
+
+FIX = Fix(
+    __name__,
+    sites=step_sites(CHECK_TRAIN, __name__, _refuse_schedules_that_differ_between_ranks),
+    upstream=("pyreft",),
+    relies_on=("transformers.trainer:Trainer.train",),  # the collectives these arguments schedule in it
+)

@@ -23,14 +23,6 @@ import torch.distributed as dist
 from ..._records import Fix, Site
 from ._trainer_steps import PYREFT
 
-FIX = Fix(
-    __name__,
-    sites=(Site(f"{PYREFT}:ReftTrainer.create_accelerator_and_postprocess", "_create_accelerator_for_each_rank",
-                kind="add"),),
-    upstream=("pyreft",),
-    # called by Trainer.__init__ before anything reads the arguments' devices
-    relies_on=("transformers.trainer:Trainer.create_accelerator_and_postprocess",),
-)
 #: What torchrun sets in each rank's environment, and HF's TrainingArguments (through accelerate) read.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -74,3 +66,13 @@ def _take_ranks_from_the_process_group(arguments) -> None:
         "this process as the only one, so every rank saved as the main process. Set them from the group: %s",
         rank, len(hosts), "/".join(missing), "was" if len(missing) == 1 else "were",
         ", ".join(f"{name}={found[name]}" for name in missing))
+
+
+FIX = Fix(
+    __name__,
+    sites=(Site(f"{PYREFT}:ReftTrainer.create_accelerator_and_postprocess", _create_accelerator_for_each_rank,
+                kind="add"),),
+    upstream=("pyreft",),
+    # called by Trainer.__init__ before anything reads the arguments' devices
+    relies_on=("transformers.trainer:Trainer.create_accelerator_and_postprocess",),
+)

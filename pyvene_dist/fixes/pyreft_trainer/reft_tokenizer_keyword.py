@@ -15,12 +15,6 @@ import inspect
 from ..._records import Fix
 from ._trainer_steps import BEFORE_INIT, step_sites
 
-FIX = Fix(
-    __name__,
-    sites=step_sites(BEFORE_INIT, __name__, "_take_tokenizer_as_processing_class"),
-    upstream=("pyreft",),
-)
-
 
 def _take_tokenizer_as_processing_class(trainer, kwargs: dict) -> None:
     """``kwargs``' ``tokenizer`` given as ``processing_class`` where ``Trainer.__init__`` has no ``tokenizer``."""
@@ -35,3 +29,10 @@ def _trainer_takes_tokenizer() -> bool:
     from transformers import Trainer  # transformers.trainer is patched when it is imported, never imported here
 
     return "tokenizer" in inspect.signature(Trainer.__init__).parameters
+
+
+FIX = Fix(
+    __name__,
+    sites=step_sites(BEFORE_INIT, __name__, _take_tokenizer_as_processing_class),
+    upstream=("pyreft",),
+)

@@ -14,18 +14,19 @@ from __future__ import annotations
 from ..._records import Fix, Site
 from ._trainer_steps import PYREFT
 
-FIX = Fix(
-    __name__,
-    sites=(
-        Site(f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader", "_wrap_train_dataloader", kind="replace"),
-        Site(f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader", "_wrap_train_dataloader",
-             kind="replace"),
-    ),
-    upstream=("pyreft",),
-)
-
 
 def _wrap_train_dataloader(wrapped, instance, args, kwargs):
     from transformers import Trainer  # transformers.trainer is patched when it is imported, never imported here
 
     return Trainer.get_train_dataloader(instance, *args, **kwargs)
+
+
+FIX = Fix(
+    __name__,
+    sites=(
+        Site(f"{PYREFT}:ReftTrainerForCausalLM.get_train_dataloader", _wrap_train_dataloader, kind="replace"),
+        Site(f"{PYREFT}:ReftTrainerForCausalLMDistributed.get_train_dataloader", _wrap_train_dataloader,
+             kind="replace"),
+    ),
+    upstream=("pyreft",),
+)

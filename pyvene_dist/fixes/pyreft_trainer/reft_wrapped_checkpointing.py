@@ -19,14 +19,6 @@ from ..._records import Fix
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
 from ._trainer_steps import AROUND_TRAIN, step_sites
 
-FIX = Fix(
-    __name__,
-    sites=step_sites(AROUND_TRAIN, __name__, "_checkpointing_inside_a_wrapper"),
-    # the checkpointing enablers of the pyvene model inside a wrapper
-    requires=("wrapper_attributes",),
-    upstream=("pyreft",),
-    relies_on=("transformers.trainer:Trainer.train",),  # the enabler it calls, and the flags it reads
-)
 #: ``Trainer.train`` calls the first of these the model has (transformers 5.2x; before, only the second).
 CHECKPOINTING_ENABLERS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 #: The ``TrainingArguments`` flag that makes ``Trainer.train`` call it, and its deprecated alias (kept equal).
@@ -61,3 +53,13 @@ def _enable_checkpointing(model, arguments) -> None:
     newer, older = CHECKPOINTING_ENABLERS
     enable = getattr(model, newer) if hasattr(model, newer) else getattr(model, older)  # as Trainer.train chooses
     enable(options or None, **layout)
+
+
+FIX = Fix(
+    __name__,
+    sites=step_sites(AROUND_TRAIN, __name__, _checkpointing_inside_a_wrapper),
+    # the checkpointing enablers of the pyvene model inside a wrapper
+    requires=("wrapper_attributes",),
+    upstream=("pyreft",),
+    relies_on=("transformers.trainer:Trainer.train",),  # the enabler it calls, and the flags it reads
+)

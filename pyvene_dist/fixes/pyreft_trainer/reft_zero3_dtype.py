@@ -18,13 +18,6 @@ from ..._records import Fix
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
 from ._trainer_steps import CHECK_TRAIN, step_sites
 
-FIX = Fix(
-    __name__,
-    sites=step_sites(CHECK_TRAIN, __name__, "_refuse_a_partition_in_another_dtype"),
-    upstream=("pyreft",),
-    relies_on=("transformers.trainer:Trainer.train",),  # DeepSpeed set up in it, casting nothing partitioned
-)
-
 
 def _refuse_a_partition_in_another_dtype(trainer) -> None:
     """Raise if ZeRO-3 partitioned the model (``zero.Init``) in another floating dtype than the arguments train in.
@@ -54,3 +47,11 @@ def _refuse_a_partition_in_another_dtype(trainer) -> None:
             f"the config a \"{section}\" section ({{\"enabled\": \"auto\"}}), make the TrainingArguments before "
             "loading the model (HF's order under ZeRO-3), and let no earlier run's arguments be alive then "
             "(del its trainer and arguments, gc.collect()).")
+
+
+FIX = Fix(
+    __name__,
+    sites=step_sites(CHECK_TRAIN, __name__, _refuse_a_partition_in_another_dtype),
+    upstream=("pyreft",),
+    relies_on=("transformers.trainer:Trainer.train",),  # DeepSpeed set up in it, casting nothing partitioned
+)
