@@ -157,6 +157,17 @@ def test_unpatch_refuses_when_someone_replaced_a_site():
     assert not pyvene_dist.is_patched()
 
 
+@pytest.mark.parametrize("where", ["wrapper", "state", "on_patch"])
+def test_a_record_that_names_its_code_by_a_string_is_refused_saying_where_it_goes(where):
+    """Records hold their wrappers, states and on_patch themselves: a name given as a string (resolved by importlib
+    at patch() before, so a reader lost the trail at the record) is refused when the record is made."""
+    from pyvene_dist._records import Fix, Site
+
+    wrapper, extra = ("_wrap", {}) if where == "wrapper" else (print, {where: "_named"})
+    with pytest.raises(TypeError, match=rf"Fix 'fixes.example': .*{where}.*expected the object itself, not its name"):
+        Fix("fixes.example", sites=(Site("pyvene.models.intervenable_base:IntervenableModel.save", wrapper),), **extra)
+
+
 def test_failed_patch_leaves_nothing_behind(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
