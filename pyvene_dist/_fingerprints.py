@@ -33,14 +33,20 @@ import types
 from importlib import metadata
 from importlib.machinery import PathFinder
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol
 
 from packaging.version import InvalidVersion, Version
 
 from ._fingerprints_table import FILES, KNOWN
 
-if TYPE_CHECKING:
-    from ._records import Fix
+
+class Dependent(Protocol):
+    """What the table reads of a fix's record (``_records.Fix``, which imports this module): the places it touches
+    and the functions it relies on besides."""
+
+    places: tuple
+    relies_on: tuple[str, ...]
+
 
 #: The form of a target whose module does not define it (a release that added or removed the function).
 ABSENT = "absent"
@@ -75,7 +81,7 @@ class Target:
         return self.module.split(".")[0]
 
 
-def targets(fix: "Fix") -> tuple[Target, ...]:
+def targets(fix: Dependent) -> tuple[Target, ...]:
     """What ``fix`` depends on: each place of its sites but those it adds, then its ``relies_on``."""
     found = [Target(place.path, place.reexports, place.any_form) for place in fix.places if place.kind != "add"]
     return tuple(dict.fromkeys(found + [Target(path) for path in fix.relies_on]))
@@ -221,7 +227,7 @@ def known_files() -> dict[str, dict[str, dict[str, str]]]:
     return FILES
 
 
-def checked_on(fix: "Fix", table: dict | None = None) -> dict[str, list[str]]:
+def checked_on(fix: Dependent, table: dict | None = None) -> dict[str, list[str]]:
     """Distribution -> the releases in which every function ``fix`` depends on there was recorded, as the table
     has them (``0.1.0+git.dafd099`` for a git checkout)."""
     table = known() if table is None else table
@@ -255,7 +261,7 @@ def installed_release(distribution: str) -> str | None:
 Table = tuple[dict[str, dict[str, tuple[str, ...]]], dict[str, dict[str, dict[str, str]]]]
 
 
-def record(fixes: Iterable["Fix"], root: str | os.PathLike | None = None,
+def record(fixes: Iterable[Dependent], root: str | os.PathLike | None = None,
            releases: dict[str, str] | None = None) -> Table:
     """The table (``KNOWN``, ``FILES``) with the forms of every target of ``fixes`` added, as found in this
     environment (or, with ``root``, in that source tree, under the releases ``releases`` names per distribution),
