@@ -258,10 +258,10 @@ TINY_MODEL_CASES = [
 def test_tiny_model_saves_into_a_new_or_empty_folder_only(tmp_path, capsys, monkeypatch, case):
     """What it saves is test_cli's: here the save is a stand-in that writes config.json, and must not be reached
     where the target is refused."""
-    from pyvene_dist.__main__ import main
-    from pyvene_dist.testing import models
+    from pyvene_dist import __main__ as command
 
-    monkeypatch.setattr(models, "save_checkpoint", lambda folder: (Path(folder) / "config.json").write_text("tiny"))
+    main = command.main
+    monkeypatch.setattr(command, "save_checkpoint", lambda folder: (Path(folder) / "config.json").write_text("tiny"))
 
     _, before, code, words = case
     target = tmp_path / "target"

@@ -186,7 +186,7 @@ def test_every_state_type_is_declared_by_one_fix_and_closes():
     declared = {}
     for fix in fixes.fixes():
         if fix.state is not None:
-            kind = fix.resolve(fix.state)
+            kind = fix.state
             assert callable(getattr(kind, "close", None)), fix.name
             declared[kind] = fix.name
     assert {HookState, DataParallelState, OrthogonalState} <= declared.keys()
