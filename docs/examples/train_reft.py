@@ -336,24 +336,28 @@ def main(argv=None):
             torch.save(result, os.path.join(training_args.output_dir, "answer.pt"))
             logger.warning(f"{reft_args.prompt!r} -> {result['text']!r}")
 
+    # Leave the process group HF Trainer joined before the interpreter exits, while the trainer and its engine
+    # still live: gloo's threads otherwise outlive it ("terminate called without an active exception"). The
+    # barrier first, so that no rank tears its connections down while another still uses them.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
 
 @contextlib.contextmanager
-def leaving_the_process_group():
-    """Leave the process group HF Trainer joined before the interpreter exits, on every way out: gloo's threads
-    otherwise outlive it and abort the process ("terminate called without an active exception", exit -6 where a
-    refusal such as an unwritable folder meant exit 1). After a run, a barrier first, so that no rank tears its
-    connections down while another still uses them; after an error, no barrier (another rank may never come)."""
+def leaving_the_process_group_on_error():
+    """Leave the process group HF Trainer joined when the run stops with an error (a refusal such as an unwritable
+    folder on one rank), as ``main`` does at its end: gloo's threads otherwise outlive the group and abort the
+    process ("terminate called without an active exception", exit -6 where exit 1 was meant). No barrier here:
+    another rank may never come to it."""
     try:
         yield
     except BaseException:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         raise
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with leaving_the_process_group():
+    with leaving_the_process_group_on_error():
         main()
