@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 
 def bound(function: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
