@@ -23,20 +23,19 @@ import functools
 import hashlib
 import importlib.util
 import inspect
-import json
 import marshal
 import os
 import sys
 import textwrap
 import tokenize
 import types
-from importlib import metadata
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Iterable, Protocol
 
 from packaging.version import InvalidVersion, Version
 
+from . import _installed
 from ._fingerprints_table import FILES, KNOWN
 
 
@@ -44,6 +43,7 @@ class Dependent(Protocol):
     """What the table reads of a fix's record (``_records.Fix``, which imports this module): the places it touches
     and the functions it relies on besides."""
 
+    name: str
     places: tuple
     relies_on: tuple[str, ...]
 
@@ -157,8 +157,8 @@ def _starts_from_bytecode(file: str, mtime_ns: int, size: int) -> dict[str, int]
     if flags & 1:  # hash-based
         if data[8:16] != importlib.util.source_hash(Path(file).read_bytes()):
             return None
-    elif int.from_bytes(data[8:12], "little") != (mtime_ns // 10**9) & 0xFFFFFFFF \
-            or int.from_bytes(data[12:16], "little") != size & 0xFFFFFFFF:
+    elif (int.from_bytes(data[8:12], "little") != (mtime_ns // 10**9) & 0xFFFFFFFF
+            or int.from_bytes(data[12:16], "little") != size & 0xFFFFFFFF):
         return None
     starts, pending = {}, [marshal.loads(data[16:])]
     while pending:
@@ -246,16 +246,58 @@ def _release_order(release: str):
         return (1, None, release)
 
 
-def installed_release(distribution: str) -> str | None:
-    """The installed release as the table names it: its public version (torch's ``+cpu`` left off), with
-    ``+git.<commit>`` for one installed from a git checkout (PEP 610's ``direct_url.json``)."""
-    try:
-        found = metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-    release = Version(found.version).public
-    commit = json.loads(found.read_text("direct_url.json") or "{}").get("vcs_info", {}).get("commit_id")
-    return f"{release}+git.{commit[:7]}" if commit else release
+# --- the installed environment against the table -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Changed:
+    """A function ``fix`` depends on whose installed form none of those known."""
+
+    fix: str
+    target: str
+    found: str
+    known: dict[str, tuple[str, ...]]
+
+    def __str__(self) -> str:
+        return (f"the fix {self.fix!r} depends on {self.target}, whose source here has the fingerprint {self.found}, "
+                f"and knows {known_forms(self.known)}")
+
+
+def known_forms(forms: dict[str, tuple[str, ...]]) -> str:
+    """``d474bae7d6bf39cc (0.1.0), 983e15605f290488 (0.1.0+git.dafd099)``, or that there is none."""
+    return ", ".join(f"{form} ({', '.join(releases)})" for form, releases in forms.items()) or "no form of it"
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What the version guard (``_versions.check``) reads of the installed packages for a set of fixes."""
+
+    #: Every function of the fixes whose installed form is not known, where its distribution is installed.
+    changed: tuple[Changed, ...]
+    #: Distribution -> installed version, for each release no form of the fixes' functions was recorded with.
+    unlisted: dict[str, str]
+
+
+def survey(fixes: Iterable[Dependent]) -> Survey:
+    """The forms of every function ``fixes`` depend on against the table, and the installed releases against
+    those the table records for them: read in one pass, the installed versions last (``_installed``)."""
+    table, index = known(), known_files()
+    forms, recorded = [], {}
+    for fix in fixes:
+        for distribution, releases in checked_on(fix, table).items():
+            public = {Version(release).public for release in releases}
+            recorded[distribution] = recorded.get(distribution, public) & public
+        forms += [(fix.name, target, static_fingerprint(target, index=index))
+                  for target in targets(fix) if not target.any_form]
+    installed = {name: _installed.version(name)
+                 for name in {target.distribution for _, target, _ in forms} | recorded.keys()}
+    changed = tuple(Changed(name, target.path, form or ABSENT, table.get(target.path, {}))
+                    for name, target, form in forms
+                    if (form is not None or installed[target.distribution] is not None)  # pyreft absent: no sites
+                    and (form or ABSENT) not in table.get(target.path, {}))
+    unlisted = {name: version for name, version in installed.items()
+                if version is not None and name in recorded and Version(version).public not in recorded[name]}
+    return Survey(changed, unlisted)
 
 
 Table = tuple[dict[str, dict[str, tuple[str, ...]]], dict[str, dict[str, dict[str, str]]]]
@@ -274,7 +316,7 @@ def record(fixes: Iterable[Dependent], root: str | os.PathLike | None = None,
     for path, target in every.items():
         if root is not None and (releases or {}).get(target.distribution) is None:
             continue
-        release = (releases or {}).get(target.distribution) or installed_release(target.distribution)
+        release = (releases or {}).get(target.distribution) or _installed.release(target.distribution)
         form = static_fingerprint(target, root)
         if release is None or form is None:  # not installed here (pyreft is optional)
             continue
@@ -297,9 +339,9 @@ def _literal(mapping: dict, depth: int = 1) -> str:
 
 def write(table: Table, folder: Path = TABLE) -> None:
     """The table as ``folder/forms_<distribution>.py``, one module per distribution (the top-level package)."""
-    known_forms, files = table
+    forms_known, files = table
     by_distribution: dict[str, tuple[dict, dict]] = {}
-    for path, forms in sorted(known_forms.items()):
+    for path, forms in sorted(forms_known.items()):
         by_distribution.setdefault(path.split(".")[0].split(":")[0], ({}, {}))[0][path] = forms
     for module, found in sorted(files.items()):
         sorted_found = {digest: dict(sorted(forms.items())) for digest, forms in found.items()}

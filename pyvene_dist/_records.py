@@ -20,10 +20,10 @@ import inspect
 import warnings
 from typing import Any, Callable
 
-from ._fingerprints import digest, known
+from ._fingerprints import digest, known, known_forms
 from ._options import Option, Options
 from ._registry import FixError, ImportHooks, UndoLog
-from ._versions import ALLOW_ENV, UnsupportedVersionError, known_forms
+from ._versions import ALLOW_ENV, UnsupportedVersionError
 
 _ABSENT = object()
 #: Modules patched when they are imported rather than imported by ``patch()``: pyreft is optional and

@@ -27,17 +27,15 @@ so its functions do not count.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 import warnings
-from importlib import metadata
 from typing import Iterable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import _fingerprints
+from . import _fingerprints, _installed
 from ._options import ALLOW_UNSUPPORTED
 
 #: Distribution -> the oldest releases pyvene_dist supports, whichever fixes it applies: those tested. torch 2.11
@@ -56,54 +54,11 @@ class UnsupportedVersionError(RuntimeError):
     pass
 
 
-def installed_version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Changed:
-    """A function ``fix`` depends on whose installed form none of those known."""
-
-    fix: str
-    target: str
-    found: str
-    known: dict[str, tuple[str, ...]]
-
-    def __str__(self) -> str:
-        return (f"the fix {self.fix!r} depends on {self.target}, whose source here has the fingerprint {self.found}, "
-                f"and knows {known_forms(self.known)}")
-
-
-def known_forms(forms: dict[str, tuple[str, ...]]) -> str:
-    """``d474bae7d6bf39cc (0.1.0), 983e15605f290488 (0.1.0+git.dafd099)``, or that there is none."""
-    return ", ".join(f"{form} ({', '.join(releases)})" for form, releases in forms.items()) or "no form of it"
-
-
-def changed(fixes: Iterable) -> list[Changed]:
-    """Every function of ``fixes`` whose installed form is not known, where its distribution is installed."""
-    table, index = _fingerprints.known(), _fingerprints.known_files()
-    found = []
-    for fix in fixes:
-        for target in _fingerprints.targets(fix):
-            if target.any_form:
-                continue
-            form = _fingerprints.static_fingerprint(target, index=index)
-            if form is None and installed_version(target.distribution) is None:
-                continue  # pyreft not installed: its sites have nothing to patch
-            form, forms = form or _fingerprints.ABSENT, table.get(target.path, {})
-            if form not in forms:
-                found.append(Changed(fix.name, target.path, form, forms))
-    return found
-
-
 def below_floor() -> list[str]:
     """One line per ``REQUIRED`` distribution below its floor or not installed."""
     problems = []
     for distribution, specifier in REQUIRED.items():
-        version = installed_version(distribution)
+        version = _installed.version(distribution)
         if version is None:
             problems.append(f"{distribution} is not installed; pyvene_dist needs {distribution}{specifier}")
         elif not SpecifierSet(specifier).contains(Version(version), prereleases=True):
@@ -113,42 +68,28 @@ def below_floor() -> list[str]:
 
 def mismatches(fixes: Iterable) -> list[str]:
     """One line per reason ``patch()`` would refuse ``fixes`` (those it would apply: ``fixes.select()``)."""
-    return below_floor() + [str(change) for change in changed(fixes)]
-
-
-def unlisted(fixes: Iterable) -> dict[str, str]:
-    """Distribution -> installed release, for each release no form of the functions of ``fixes`` was recorded
-    with (the fixes' "checked on", ``_fingerprints.checked_on``)."""
-    installed: dict[str, str | None] = {}
-    found = {}
-    for fix in fixes:
-        for distribution, releases in _fingerprints.checked_on(fix).items():
-            if distribution not in installed:
-                installed[distribution] = installed_version(distribution)
-            version = installed[distribution]
-            if version is not None and Version(version).public not in {Version(r).public for r in releases}:
-                found[distribution] = version
-    return found
+    return below_floor() + [str(change) for change in _fingerprints.survey(fixes).changed]
 
 
 def check(fixes: Iterable, allow_unsupported: bool) -> None:
-    """``patch()``'s guard, before anything is applied (see the module's docstring)."""
+    """``patch()``'s guard, before anything is applied (see the module's docstring). What it needs of the installed
+    packages is read in one pass below (``_fingerprints.survey``); the judging here works on what that returns."""
     fixes = list(fixes)
-    floors, changes = below_floor(), changed(fixes)
-    if not floors and not changes:
-        newer = unlisted(fixes)
-        if newer:
+    dependents = _dependents(fixes)
+    floors, found = below_floor(), _fingerprints.survey(fixes)
+    if not floors and not found.changed:
+        if found.unlisted:
             log.info("pyvene_dist: %s not among the releases the fixes were checked on; the functions the fixes "
                      "depend on there are unchanged, so they are applied",
-                     ", ".join(f"{name} {version}" for name, version in sorted(newer.items())))
+                     ", ".join(f"{name} {version}" for name, version in sorted(found.unlisted.items())))
         return
-    message = "; ".join(floors + [str(change) for change in changes])
+    message = "; ".join(floors + [str(change) for change in found.changed])
     if allow_unsupported:
         warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=3)
         return
     ways = f"call pyvene_dist.patch(allow_unsupported=True) or set {ALLOW_ENV}=1"
-    if changes:
-        refused = _with_dependents({change.fix for change in changes}, fixes)
+    if found.changed:
+        refused = sorted({name for change in found.changed for name in dependents[change.fix]})
         ways = (f"Nothing was patched. Leave those fixes out with pyvene_dist.patch(exclude={refused}) (what they "
                 f"fix stays broken), or, to patch anyway, {ways}; once a run on this release passes, "
                 f"`{RECORD_COMMAND}` records its forms")
@@ -157,12 +98,16 @@ def check(fixes: Iterable, allow_unsupported: bool) -> None:
     raise UnsupportedVersionError(f"{message}. {ways}.")
 
 
-def _with_dependents(names: set[str], fixes: list) -> list[str]:
-    """``names`` and the fixes among ``fixes`` that require one of them (``exclude=`` must name those too)."""
-    names = set(names)
+def _dependents(fixes: list) -> dict[str, set[str]]:
+    """Fix name -> it and the fixes among ``fixes`` that require it, directly or through others (``exclude=`` must
+    name those too)."""
+    requires = {fix.name: set(fix.requires) for fix in fixes}
+    found = {name: {name} for name in requires}
     grown = True
     while grown:
-        more = {fix.name for fix in fixes if set(fix.requires) & names} - names
-        names |= more
-        grown = bool(more)
-    return sorted(names)
+        grown = False
+        for name, names in found.items():
+            more = {other for other, needs in requires.items() if needs & names} - names
+            if more:
+                found[name], grown = names | more, True
+    return found

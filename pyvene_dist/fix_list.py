@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import json
 
-from . import _fingerprints, _versions
+from . import _fingerprints, _installed, _versions
 from .fixes import fixes, groups, upstreamed
 
 
@@ -49,7 +49,7 @@ def rows() -> list[Row]:
     group_of = {name: group for group, names in groups().items() for name in names}
     carried = upstreamed(records)
     floors = _versions.below_floor()
-    changes = {fix.name: _versions.changed([fix]) for fix in records}
+    changes = {fix.name: _fingerprints.survey([fix]).changed for fix in records}
     # patch() applies none while a fix it would apply has a changed function (``_versions``' rule)
     refusing = sorted(name for name, found in changes.items() if found and name not in carried)
     found = []
@@ -62,7 +62,7 @@ def rows() -> list[Row]:
         checked = _fingerprints.checked_on(fix)
         found.append(Row(fix.name, summary(fix.module), not reason, reason, checked,
                          "changed" if changes[fix.name] else "unchanged", [c.target for c in changes[fix.name]],
-                         {name: _versions.installed_version(name) for name in checked}, group_of.get(fix.name)))
+                         {name: _installed.version(name) for name in checked}, group_of.get(fix.name)))
     return found
 
 

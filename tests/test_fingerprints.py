@@ -38,11 +38,11 @@ def run(code: str, first_on_path: Path) -> str:
 
 def test_a_newer_release_with_the_same_functions_is_patched_with_one_note(monkeypatch, caplog):
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist import _installed, _versions
 
-    installed = _versions.installed_version
+    installed = _installed.version
     newer = {"transformers": "5.99.0", "torch": "2.99.1", "pyvene": "0.1.9"}
-    monkeypatch.setattr(_versions, "installed_version", lambda name: newer.get(name) or installed(name))
+    monkeypatch.setattr(_installed, "version", lambda name: newer.get(name) or installed(name))
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="pyvene_dist"), pyvene_dist.patched():
         assert pyvene_dist.is_patched()

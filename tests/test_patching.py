@@ -76,10 +76,10 @@ def test_plugin_imports_only_pytest():
 def test_a_release_below_the_floor_is_refused_naming_installed_and_floor(monkeypatch):
     """The floors stay hard whatever the forms (transformers 5.16 is older than any release tested)."""
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist import _installed, _versions
 
-    installed = _versions.installed_version
-    monkeypatch.setattr(_versions, "installed_version", lambda d: "5.16.0" if d == "transformers" else installed(d))
+    installed = _installed.version
+    monkeypatch.setattr(_installed, "version", lambda d: "5.16.0" if d == "transformers" else installed(d))
     monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
     with pytest.raises(_versions.UnsupportedVersionError) as error:
         pyvene_dist.patch()

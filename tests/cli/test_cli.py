@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pyvene_dist import _versions
+from pyvene_dist import _installed, _versions
 
 
 def run(capsys, *arguments) -> tuple[int, str, str]:
@@ -70,8 +70,8 @@ def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
 def test_fixes_applies_a_newer_release_with_the_same_functions_and_names_a_changed_one(capsys, monkeypatch):
     from pyvene_dist import _fingerprints_table
 
-    real = _versions.installed_version
-    monkeypatch.setattr(_versions, "installed_version", lambda name: "0.2.0" if name == "pyvene" else real(name))
+    real = _installed.version
+    monkeypatch.setattr(_installed, "version", lambda name: "0.2.0" if name == "pyvene" else real(name))
     code, out, _ = run(capsys, "fixes", "--json")
     rows = {row["name"]: row for row in json.loads(out)}
     assert all(row["applied"] and row["fingerprint"] == "unchanged" for row in rows.values())

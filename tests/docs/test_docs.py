@@ -579,7 +579,8 @@ def test_the_supported_versions_are_the_tested_ones():
     against the version matrix's passing rows)."""
     from packaging.specifiers import SpecifierSet
 
-    from pyvene_dist._versions import REQUIRED, installed_version
+    from pyvene_dist._installed import version as installed_version
+    from pyvene_dist._versions import REQUIRED
 
     setup = (ROOT / "setup.cfg").read_text()
     for name in ("torch", "transformers"):
