@@ -1,5 +1,6 @@
-"""scripts/version_matrix.py's pure parts: the columns it builds, the rows it writes and the table it prints.
-No venv is built here (a column takes minutes and GBs); the matrix itself runs on demand (docs/testing.md)."""
+"""scripts/version_matrix.py's pure parts: the columns it builds, the rows it writes and the table it prints
+(matrix_rows.py), and the environments it gives pip and the suite (matrix_venvs.py). No venv is built here (a
+column takes minutes and GBs); the matrix itself runs on demand (docs/testing.md)."""
 
 import importlib.util
 import json
@@ -11,10 +12,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-SPEC = importlib.util.spec_from_file_location("version_matrix", ROOT / "scripts" / "version_matrix.py")
-matrix = importlib.util.module_from_spec(SPEC)
-sys.modules[SPEC.name] = matrix  # dataclasses look their module up there
-SPEC.loader.exec_module(matrix)
+
+
+def _load(name: str):
+    """scripts/<name>.py, under its own name in sys.modules: dataclasses look their module up there, and the
+    scripts import each other by name (run as a script, scripts/ is on sys.path; here it is not)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+matrix_rows = _load("matrix_rows")  # first: the other two import it
+matrix_venvs = _load("matrix_venvs")
+matrix = _load("version_matrix")
 
 SETUP_CFG = """\
 [options]
@@ -46,7 +58,7 @@ def test_two_floors_for_one_package_are_refused(tmp_path):
     (tmp_path / "setup.cfg").write_text(SETUP_CFG.replace("accelerate =\n    accelerate>=1.0",
                                                           "accelerate =\n    accelerate>=1.2"))
     with pytest.raises(ValueError, match="setup.cfg gives accelerate two floors: 1.0 and 1.2"):
-        matrix.floors(tmp_path / "setup.cfg")
+        matrix_rows.floors(tmp_path / "setup.cfg")
 
 
 def test_the_columns_of_the_issue():
@@ -63,22 +75,23 @@ def test_the_columns_of_the_issue():
 
 def test_a_lifted_cap_reads_no_pip_configuration(monkeypatch):
     monkeypatch.setenv("PIP_CONSTRAINT", "/etc/xdg/pip/constraints.txt")
-    lifted = matrix.pip_environment(matrix.columns()["newest"])
+    lifted = matrix_venvs.pip_environment(matrix.columns()["newest"])
     assert lifted["PIP_CONFIG_FILE"] == os.devnull and "PIP_CONSTRAINT" not in lifted
-    assert matrix.pip_environment(matrix.columns()["oldest"])["PIP_CONSTRAINT"] == "/etc/xdg/pip/constraints.txt"
+    kept = matrix_venvs.pip_environment(matrix.columns()["oldest"])
+    assert kept["PIP_CONSTRAINT"] == "/etc/xdg/pip/constraints.txt"
 
 
 def test_the_core_suite_is_files_of_the_suite():
-    missing = [path for path in matrix.CORE_TESTS if not (ROOT / path).is_file()]
+    missing = [path for path in matrix_rows.CORE_TESTS if not (ROOT / path).is_file()]
     assert not missing, f"CORE_TESTS names files that do not exist: {missing}"
     for strategy in ("test_ddp.py", "test_fsdp.py", "test_accelerate.py", "test_deepspeed.py", "test_patching.py"):
-        assert any(path.endswith(strategy) for path in matrix.CORE_TESTS), f"the core suite lacks {strategy}"
+        assert any(path.endswith(strategy) for path in matrix_rows.CORE_TESTS), f"the core suite lacks {strategy}"
 
 
 def test_the_allow_unsupported_switch_is_set_only_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("PYVENE_DIST_ALLOW_UNSUPPORTED", "1")  # from the caller's shell: not inherited
-    assert "PYVENE_DIST_ALLOW_UNSUPPORTED" not in matrix.run_environment(tmp_path, False)
-    environment = matrix.run_environment(tmp_path, True)
+    assert "PYVENE_DIST_ALLOW_UNSUPPORTED" not in matrix_venvs.run_environment(tmp_path, False)
+    environment = matrix_venvs.run_environment(tmp_path, True)
     assert environment["PYVENE_DIST_ALLOW_UNSUPPORTED"] == "1"
     assert environment["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
     assert environment["PATH"].startswith(f"{tmp_path / 'bin'}{os.pathsep}")
@@ -96,7 +109,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 
 def test_pytest_counts_come_from_the_junit_file(tmp_path):
     (tmp_path / "junit.xml").write_text(JUNIT)
-    assert matrix.pytest_counts(tmp_path / "junit.xml") == {
+    assert matrix_rows.pytest_counts(tmp_path / "junit.xml") == {
         "passed": 2, "failed": 1, "errors": 1, "skipped": 1,
         "failed_tests": ["tests/test_patching.py::test_b", "tests/fixes/test_fsdp.py::test_d"]}
 
@@ -106,16 +119,16 @@ def test_the_check_verdict_names_what_differs():
             {"strategy": "ddp", "world_size": 2, "verdict": "agrees"},
             {"strategy": "fsdp2", "world_size": 2, "verdict": "differs"},
             {"strategy": "dataparallel", "world_size": 2, "verdict": "unavailable"}]
-    assert matrix.check_summary(1, json.dumps(rows), "") == {
+    assert matrix_rows.check_summary(1, json.dumps(rows), "") == {
         "verdict": "failed", "exit_code": 1, "rows": {"reference": 1, "agrees": 1, "differs": 1, "unavailable": 1},
         "wrong": ["fsdp2 x2: differs"], "unavailable": ["dataparallel x2"]}
-    assert matrix.check_summary(1, "", "Traceback ...\nUnsupportedVersionError: torch 2.15.0\n\n") == {
+    assert matrix_rows.check_summary(1, "", "Traceback ...\nUnsupportedVersionError: torch 2.15.0\n\n") == {
         "verdict": "error", "exit_code": 1, "detail": "UnsupportedVersionError: torch 2.15.0"}
 
 
 def test_pyreft_says_whether_it_is_the_release_or_git_main():
-    assert matrix.pyreft_label("0.1.0", "the registry") == "0.1.0"
-    assert matrix.pyreft_label("0.1.0", "file:///tmp/x/pyreft-main-dafd099/pyreft") == "git main dafd099"
+    assert matrix_rows.pyreft_label("0.1.0", "the registry") == "0.1.0"
+    assert matrix_rows.pyreft_label("0.1.0", "file:///tmp/x/pyreft-main-dafd099/pyreft") == "git main dafd099"
 
 
 VERSIONS = {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0", "deepspeed": "0.19.8",
@@ -129,8 +142,8 @@ MEASURED = {"pytest": {"passed": 120, "failed": 2, "errors": 1, "skipped": 7, "f
 def _row(**changes):
     arguments = dict(commit="abc1234", date="2026-12-04", machine="CPU, 2 cores", allow_unsupported=False,
                      venv_state="fresh", install_seconds=300.0)
-    return matrix.make_row(matrix.columns()["pyreft-main"], VERSIONS, MEASURED, {"torch_requested": "torch"},
-                           **{**arguments, **changes})
+    return matrix_rows.make_row(matrix.columns()["pyreft-main"], VERSIONS, MEASURED, {"torch_requested": "torch"},
+                                **{**arguments, **changes})
 
 
 def test_a_row_carries_what_every_results_row_must_and_the_issue_asks():
@@ -148,7 +161,7 @@ def test_a_row_carries_what_every_results_row_must_and_the_issue_asks():
 
 def test_the_table_has_a_line_per_row():
     rows = [_row(), _row(allow_unsupported=True)]
-    assert matrix.table(rows).splitlines() == [
+    assert matrix_rows.table(rows).splitlines() == [
         "| column | date | commit | torch | transformers | accelerate | deepspeed | peft | pyvene | pyreft "
         "| passed/failed/skipped | check | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -162,7 +175,7 @@ def test_the_table_has_a_line_per_row():
 def test_a_suite_that_did_not_run_shows_pytest_s_exit_code_not_zero_counts():
     stopped = _row()
     stopped["pytest"] = {**MEASURED["pytest"], "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 4}
-    assert matrix.table_cells(stopped)[10] == "pytest exit 4"
+    assert matrix_rows.table_cells(stopped)[10] == "pytest exit 4"
 
 
 def test_the_table_option_shows_the_last_row_of_each_column(tmp_path, capsys):
@@ -184,8 +197,8 @@ def test_an_unknown_column_is_refused_by_name(capsys):
 def test_a_reused_venv_says_when_it_was_built(tmp_path):
     (tmp_path / "pyvenv.cfg").write_text("home = /usr/bin\n")
     os.utime(tmp_path / "pyvenv.cfg", (1796400000, 1796400000))  # 2026-12-04 16:00 UTC
-    assert matrix.venv_state(tmp_path, reused=True) == "reused, built 2026-12-04 16:00 UTC"
-    assert matrix.venv_state(tmp_path, reused=False) == "fresh"
+    assert matrix_venvs.venv_state(tmp_path, reused=True) == "reused, built 2026-12-04 16:00 UTC"
+    assert matrix_venvs.venv_state(tmp_path, reused=False) == "fresh"
 
 
 def test_the_testing_page_shows_what_the_table_option_prints():
