@@ -27,6 +27,17 @@ intervention, removed by ``unpatch()``). Its weights stay as they are (accelerat
 float32 master weights), and so do its gradients. An intervention whose parameters mix dtypes (pyreft's LoReFT
 built with ``dtype=torch.bfloat16`` keeps its rotation in float32 and casts for itself) is left alone.
 
+**Trainable parameters of the base.** Where the base trains parameters of its own beside the interventions
+(pyreft's classifier trains its ``score`` head, ReFT with LoRA its adapters), FSDP2 makes those DTensors while the
+interventions stay plain tensors. An optimizer whose one param group holds both fails at its first step when it runs
+foreach or fused, as torch's optimizers do by default on CUDA: ``RuntimeError: aten._foreach_mul_.Scalar got mixed
+torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!``
+(pytorch/pytorch#183207, open). pyvene_dist cannot see the optimizer when ``fully_shard`` runs, so the wrap warns
+(``RuntimeWarning``, once per pyvene model), naming the sharded trainable parameters and the ways out: the
+interventions in a param group of their own (Adam, AdamW and SGD run foreach per group), or ``foreach=False``. HF
+Trainer makes no such group: transformers 5.24+ gives each device mesh, and the plain tensors, groups of their own,
+and 5.17 turns foreach and fused off for its ``adamw_torch`` optimizers when the trainable parameters mix.
+
 Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/``ReftModel`` itself,
 as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
 decoder layer. Sharding only ``reft_model.model`` leaves the interventions' gradients unreduced.
@@ -40,6 +51,7 @@ Run on 2 x H200 (nccl) and on the CPU (gloo).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Iterable
 
@@ -58,14 +70,17 @@ from ..mechanisms.wrapped_models import intervenable_models
 
 @dataclasses.dataclass(eq=False)
 class FsdpState:
-    """A pyvene model's intervention parameters -> the handle of the hook that averages the gradient."""
+    """A pyvene model's intervention parameters -> the handle of the hook that averages the gradient; whether
+    the model was warned of trainable DTensors beside its plain interventions."""
 
     reduced: "weakref.WeakKeyDictionary" = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    warned_of_mixed_parameters: bool = False
 
     def close(self) -> None:
         for handle in list(self.reduced.values()):
             handle.remove()
         self.reduced = weakref.WeakKeyDictionary()
+        self.warned_of_mixed_parameters = False
 
 
 def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -105,11 +120,43 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     _place_and_reduce(models, _compute_device(modules, parameters), groups)
+    _warn_of_mixed_parameters(modules, models)
     compute_dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
     if compute_dtype is not None:  # the policy computes the base in it, and leaves the interventions out
         for model in models:
             compute_in_own_dtype(model, compute_dtype)
     return sharded
+
+
+#: How many of the sharded trainable parameters the warning names.
+NAMED_IN_WARNING = 3
+
+
+def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module]) -> None:
+    """Warn, once per pyvene model whose interventions train, where FSDP2 made trainable parameters outside them
+    DTensors: a foreach or fused optimizer step fails on a param group that holds both kinds."""
+    from torch.distributed.tensor import DTensor  # fully_shard imported it
+
+    sharded = [name for module in modules for name, parameter in nn.Module.named_parameters(module)
+               if parameter.requires_grad and isinstance(parameter, DTensor)]
+    if not sharded:
+        return
+    for model in models:
+        state = MODELS.of(model, FsdpState)
+        if state.warned_of_mixed_parameters or not any(p.requires_grad for p in model.interventions.parameters()):
+            continue
+        state.warned_of_mixed_parameters = True
+        named = ", ".join(sharded[:NAMED_IN_WARNING]) + (f" and {len(sharded) - NAMED_IN_WARNING} more"
+                                                          if len(sharded) > NAMED_IN_WARNING else "")
+        warnings.warn(
+            f"FSDP2 sharded trainable parameters of {type(model).__name__} outside its interventions ({named}): they "
+            "are DTensors now, and the interventions stay plain tensors. An optimizer step that runs foreach or fused "
+            "(torch's default on CUDA) over one param group holding both fails with 'RuntimeError: "
+            "aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor' (pytorch/pytorch#183207). Give the "
+            "interventions a param group of their own ([{'params': model.interventions.parameters()}, {'params': "
+            "the others}]), or pass foreach=False; HF Trainer (pyreft's trainers too) does one or the other itself "
+            "(docs/troubleshooting.md).",
+            RuntimeWarning, stacklevel=3)  # the caller of fully_shard
 
 
 def _wrap_fsdp1_init(wrapped, instance, args, kwargs):

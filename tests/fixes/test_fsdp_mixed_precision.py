@@ -63,7 +63,11 @@ def test_accelerate_fsdp2_bf16_trains_the_interventions(dtype):
     model = case.build()
     accelerator = accelerate_fsdp2("bf16")
     try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # As on a GPU, where foreach is torch's default: one param group holding the sharded head's DTensors and
+        # the plain interventions fails (pytorch/pytorch#183207), so each kind has its own, as fixes.fsdp's warning says
+        interventions = list(model.interventions.parameters())
+        others = [p for p in model.parameters() if p.requires_grad and all(p is not i for i in interventions)]
+        optimizer = torch.optim.AdamW([{"params": interventions}, {"params": others}], lr=1e-2, foreach=True)
         model, optimizer = accelerator.prepare(model, optimizer)
         assert any(isinstance(p, DTensor) for p in model.model.parameters())  # FSDP2 sharded the base
         before = {name: p.detach().clone() for name, p in model.interventions.named_parameters()}
