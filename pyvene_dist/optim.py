@@ -8,7 +8,12 @@ weight decay shrinks that diagonal from -1 to -0.99..., ``.int()`` turns it into
 vanish. Decay of an ``original`` also never means decay of the weight it parametrizes.
 
 ``param_groups`` is for hand-written loops; HF Trainer gets the same split through
-``pyvene_dist.fixes.weight_decay``.
+``pyvene_dist.fixes.weight_decay``. Where the base trains parameters of its own beside the interventions (a
+classifier's head, LoRA adapters), each group is split into the interventions' and the others': FSDP2 shards the
+others into DTensors and leaves the interventions plain tensors, and a foreach or fused optimizer step (torch's
+default on CUDA) fails on a group that holds both (``RuntimeError: aten._foreach_mul_.Scalar got mixed torch.Tensor
+and DTensor``, pytorch/pytorch#183207). The split is by module, not by tensor type, so groups built before sharding
+(and handed to ``accelerator.prepare``, which swaps in the sharded parameters) hold one kind each too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Iterator
 
 from torch import nn
 from torch.nn.utils import parametrize
+
+from .mechanisms.wrapped_models import intervenable_models
 
 #: The name patterns HF Trainer (transformers 5.x, ``Trainer.get_decay_parameter_names``) keeps out of decay.
 NO_DECAY_PATTERNS = tuple(
@@ -38,7 +45,8 @@ def parametrization_original_names(model: nn.Module) -> set[str]:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups of trainable parameters: decayed, and not (biases, norms, parametrization originals)."""
+    """Groups of trainable parameters: decayed, and not (biases, norms, parametrization originals), each of them
+    split into the interventions' and the others' where it holds both."""
     never_decay = parametrization_original_names(model)
     decay, no_decay = [], []
     for name, parameter in _trainable(model):
@@ -46,7 +54,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(parameter)
         else:
             decay.append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    interventions = {id(p) for found in intervenable_models(model) for p in found.interventions.parameters()}
+    return [*_interventions_apart(decay, interventions, weight_decay),
+            *_interventions_apart(no_decay, interventions, 0.0)]
+
+
+def _interventions_apart(parameters: list[nn.Parameter], interventions: set[int], weight_decay: float) -> list[dict]:
+    """One group of ``parameters``, or two where the interventions' stand beside others (FSDP2 shards only those)."""
+    own = [p for p in parameters if id(p) in interventions]
+    others = [p for p in parameters if id(p) not in interventions]
+    return [{"params": part, "weight_decay": weight_decay} for part in ((own, others) if own and others else (parameters,))]
 
 
 def _trainable(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -34,7 +34,8 @@ foreach or fused, as torch's optimizers do by default on CUDA: ``RuntimeError: a
 torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!``
 (pytorch/pytorch#183207, open). pyvene_dist cannot see the optimizer when ``fully_shard`` runs, so the wrap warns
 (``RuntimeWarning``, once per pyvene model), naming the sharded trainable parameters and the ways out: the
-interventions in a param group of their own (Adam, AdamW and SGD run foreach per group), or ``foreach=False``. HF
+interventions in a param group of their own (Adam, AdamW and SGD run foreach per group;
+``pyvene_dist.optim.param_groups`` builds them so), or ``foreach=False``. HF
 Trainer makes no such group: transformers 5.24+ gives each device mesh, and the plain tensors, groups of their own,
 and 5.17 turns foreach and fused off for its ``adamw_torch`` optimizers when the trainable parameters mix.
 
@@ -153,8 +154,8 @@ def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module])
             "are DTensors now, and the interventions stay plain tensors. An optimizer step that runs foreach or fused "
             "(torch's default on CUDA) over one param group holding both fails with 'RuntimeError: "
             "aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor' (pytorch/pytorch#183207). Give the "
-            "interventions a param group of their own ([{'params': model.interventions.parameters()}, {'params': "
-            "the others}]), or pass foreach=False; HF Trainer (pyreft's trainers too) does one or the other itself "
+            "interventions a param group of their own (pyvene_dist.optim.param_groups(model, weight_decay) does), or "
+            "pass foreach=False; HF Trainer (pyreft's trainers too) does one or the other itself "
             "(docs/troubleshooting.md).",
             RuntimeWarning, stacklevel=3)  # the caller of fully_shard
 

@@ -74,6 +74,23 @@ def test_the_interventions_in_a_group_of_their_own_step_with_foreach():
 
 
 @pytest.mark.world_size(1)
+def test_pyvene_dists_param_groups_keep_the_interventions_apart():
+    """``pyvene_dist.optim.param_groups``, which the docs' FSDP2 recipe and the parity harness build their AdamW on,
+    gave the sharded head and the plain interventions one group (the decayed one)."""
+    from pyvene_dist.optim import param_groups
+
+    helpers.patch()
+    case = ParityCase()
+    model, _ = _sharded(case)
+    groups = param_groups(model, weight_decay=0.01)
+    # decayed: the interventions' weights, and apart from them the head; not decayed: the interventions' biases
+    # and rotations (the head has no bias)
+    assert [len(_kinds(group["params"])) for group in groups if group["params"]] == [1, 1, 1]
+    assert [group["weight_decay"] for group in groups] == [0.01, 0.01, 0.0]
+    _train_step(model, torch.optim.AdamW(groups, lr=1e-2, foreach=True), case)
+
+
+@pytest.mark.world_size(1)
 def test_hf_trainers_optimizer_never_runs_foreach_over_both_kinds(tmp_path):
     """HF Trainer's ``create_optimizer`` over a sharded pyvene model with a trainable head: transformers 5.24+ gives
     the DTensors and the plain tensors groups of their own, 5.17 turns foreach and fused off for a group that mixes
