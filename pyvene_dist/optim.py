@@ -26,6 +26,12 @@ from torch.nn.utils import parametrize
 
 from .mechanisms.wrapped_models import intervenable_models
 
+class MixedParameterGroupsWarning(RuntimeWarning):
+    """Given by ``fixes.fsdp`` where FSDP2 made trainable parameters DTensors beside a pyvene model's plain
+    interventions. An optimizer over ``param_groups(model, ...)`` needs nothing more: where that is the optimizer,
+    ``warnings.simplefilter("ignore", MixedParameterGroupsWarning)`` silences it (the parity harness does)."""
+
+
 #: The name patterns HF Trainer (transformers 5.x, ``Trainer.get_decay_parameter_names``) keeps out of decay.
 NO_DECAY_PATTERNS = tuple(
     re.compile(pattern) for pattern in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
@@ -63,7 +69,8 @@ def _interventions_apart(parameters: list[nn.Parameter], interventions: set[int]
     """One group of ``parameters``, or two where the interventions' stand beside others (FSDP2 shards only those)."""
     own = [p for p in parameters if id(p) in interventions]
     others = [p for p in parameters if id(p) not in interventions]
-    return [{"params": part, "weight_decay": weight_decay} for part in ((own, others) if own and others else (parameters,))]
+    parts = (own, others) if own and others else (parameters,)
+    return [{"params": part, "weight_decay": weight_decay} for part in parts]
 
 
 def _trainable(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -33,11 +33,12 @@ interventions stay plain tensors. An optimizer whose one param group holds both 
 foreach or fused, as torch's optimizers do by default on CUDA: ``RuntimeError: aten._foreach_mul_.Scalar got mixed
 torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!``
 (pytorch/pytorch#183207, open). pyvene_dist cannot see the optimizer when ``fully_shard`` runs, so the wrap warns
-(``RuntimeWarning``, once per pyvene model), naming the sharded trainable parameters and the ways out: the
-interventions in a param group of their own (Adam, AdamW and SGD run foreach per group;
-``pyvene_dist.optim.param_groups`` builds them so), or ``foreach=False``. HF
-Trainer makes no such group: transformers 5.24+ gives each device mesh, and the plain tensors, groups of their own,
-and 5.17 turns foreach and fused off for its ``adamw_torch`` optimizers when the trainable parameters mix.
+(``optim.MixedParameterGroupsWarning``, a ``RuntimeWarning``; once per pyvene model), naming the sharded trainable
+parameters and the ways out: the interventions in a param group of their own (Adam, AdamW and SGD run foreach per
+group; ``pyvene_dist.optim.param_groups`` builds them so, and where it does the warning may be filtered by its
+class), or ``foreach=False``. HF Trainer makes no such group: transformers 5.24+ gives each device mesh, and the
+plain tensors, groups of their own, and 5.17 turns foreach and fused off for its ``adamw_torch`` optimizers when the
+trainable parameters mix.
 
 Apply FSDP to the module that holds the pyvene model (the ``IntervenableModel``/``ReftModel`` itself,
 as HF Trainer and accelerate do); ``pyvene_dist.fsdp.fully_shard_model`` does that with one unit per
@@ -67,6 +68,7 @@ from ..mechanisms.dtensors import forget_dtensor_parameters
 from ..mechanisms.own_dtype import compute_in_own_dtype
 from ..mechanisms.same_interventions import check_same_interventions
 from ..mechanisms.wrapped_models import intervenable_models
+from ..optim import MixedParameterGroupsWarning
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,7 +159,7 @@ def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module])
             "interventions a param group of their own (pyvene_dist.optim.param_groups(model, weight_decay) does), or "
             "pass foreach=False; HF Trainer (pyreft's trainers too) does one or the other itself "
             "(docs/troubleshooting.md).",
-            RuntimeWarning, stacklevel=3)  # the caller of fully_shard
+            MixedParameterGroupsWarning, stacklevel=3)  # the caller of fully_shard
 
 
 def _wrap_fsdp1_init(wrapped, instance, args, kwargs):

@@ -22,10 +22,12 @@ Every rank gets an equal, contiguous share of each global micro-batch.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
-from ..optim import param_groups
+from ..optim import MixedParameterGroupsWarning, param_groups
 from . import models
 from .case import ParityCase, Record
 from .comparison import intervention_grads, intervention_weights
@@ -42,7 +44,9 @@ def train(case: ParityCase, strategy: str | Strategy = "single") -> Record:
     model = strategy.place(strategy.build(case))
     model.train()
     optimizer = torch.optim.AdamW(param_groups(model, case.weight_decay), lr=case.lr)
-    wrapped, optimizer = strategy.prepare(model, optimizer, case)
+    with warnings.catch_warnings():  # FSDP2's advice for a trainable head is taken: the groups are param_groups'
+        warnings.simplefilter("ignore", MixedParameterGroupsWarning)
+        wrapped, optimizer = strategy.prepare(model, optimizer, case)
     held = parameter_bytes(model)
     strategy.reset_peak_memory()
     losses, grads = [], []

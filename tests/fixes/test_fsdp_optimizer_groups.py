@@ -112,3 +112,19 @@ def test_hf_trainers_optimizer_never_runs_foreach_over_both_kinds(tmp_path):
         elif not group["fused"]:  # transformers 5.24's default is adamw_torch_fused: fused, as on CUDA
             group["foreach"] = True
     _train_step(model, optimizer, case)
+
+
+@pytest.mark.world_size(1)
+def test_the_harness_which_builds_param_groups_is_not_warned():
+    """The warning has its own class, so that code whose optimizer is ``param_groups``' (the parity harness, and so
+    ``pyvene-dist check``) can filter it: a training run under FSDP2 with a trainable head prints none."""
+    from pyvene_dist.optim import MixedParameterGroupsWarning
+    from pyvene_dist.testing import train
+
+    helpers.patch()
+    _, caught = _sharded(ParityCase())
+    assert [w.category for w in caught] == [MixedParameterGroupsWarning]
+    with warnings.catch_warnings(record=True) as during_training:
+        warnings.simplefilter("always")
+        train(ParityCase(steps=1), "fsdp2")
+    assert not [w for w in during_training if issubclass(w.category, MixedParameterGroupsWarning)]
