@@ -82,7 +82,9 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"commit": commit.stdout.strip() or None, "date": datetime.date.today().isoformat(),
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"commit": commit.stdout.strip() or None, "date": now.date().isoformat(),
+            "run_id": os.environ.get("PYVENE_DIST_RUN_ID") or f"{now:%Y%m%dT%H%M%SZ}-{platform.node()}",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU" if not _has_cuda() else platform.node(),
             "versions": {**versions, "python": platform.python_version()}}
 

@@ -193,6 +193,8 @@ RUN_BY: dict[str, RunBy] = {
         (".ci/matrix", ('default="oldest,newest,pyreft-main"',)),
         (".ci/matrix --columns newest --reuse", ('"--reuse"',)),
         (".ci/matrix --columns pinned", ('Column("pinned"',)))},
+    "python scripts/without_sweep.py": RunBy("tests/packaging/test_without_sweep.py::test_a_fixs_tests_fail_without_it",
+                                             ("sweep.sweep_one(",), note="one fix's sweep; the whole sweep on demand"),
     ".ci/matrix --table":
         RunBy("tests/packaging/test_version_matrix.py::test_the_testing_page_shows_what_the_table_option_prints",
               ('".ci" / "matrix"), "--table"',)),
