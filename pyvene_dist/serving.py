@@ -54,7 +54,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -68,6 +67,7 @@ from . import is_patched, patched
 from ._serving_hooks import left_padded, register_hook, rows_by_module
 from .fixes.checkpoints import read_saved
 from .mechanisms.parametrization_cache import cached_parametrizations
+from .positions import parse_positions
 
 #: Written by docs/examples/train_reft.py beside the interventions: the positions and shared weights of training.
 SETTINGS = "train_settings.json"
@@ -131,7 +131,7 @@ class MultiReftModel:
         if positions is None:
             raise ValueError(f"positions: {folder} has no {SETTINGS}; pass the positions of training, e.g. "
                              "positions='f1+l1'")
-        _check_positions(positions)
+        first, last = parse_positions(positions)  # refuses a malformed form, and one that selects no position
         share_weights = bool(share_weights if share_weights is not None else settings.get("share_weights", False))
         _check_against_base(self.model, folder, config)
         # pyvene_dist's checkpoints fix restores every weight in the dtype it was saved in (stock pyreft
@@ -142,7 +142,6 @@ class MultiReftModel:
         loaded = LoadedReft(name, folder, positions, share_weights,
                             tuple(_intervention(reft_model, key, index) for index, key in
                                   enumerate(reft_model.sorted_keys)))
-        first, last = pyreft.parse_positions(positions)
         expected = _location_count(first, last, share_weights, len(loaded.interventions))
         if expected is not None:
             raise ValueError(expected.format(folder=folder, positions=positions, share_weights=share_weights))
@@ -213,11 +212,6 @@ def _settings(folder: str) -> dict:
         return {}
     with open(path) as file:
         return json.load(file)
-
-
-def _check_positions(positions) -> None:
-    if not isinstance(positions, str) or not re.fullmatch(r"f\d+\+l\d+|f\d+|l\d+", positions):
-        raise ValueError(f"positions: expected pyreft's form, as 'f1+l1', 'f3' or 'l1', found {positions!r}")
 
 
 def _representation(config: dict, index: int) -> dict:

@@ -335,8 +335,10 @@ def test_load_refusals(saved, many, tmp_path):
     (tmp_path / "bare" / "config.json").write_text((folders["no"] / "config.json").read_text())
     with pytest.raises(ValueError, match="positions: .* has no train_settings.json; pass the positions of training"):
         many.load("x", tmp_path / "bare")
-    with pytest.raises(ValueError, match="positions: expected pyreft's form, as 'f1\\+l1', 'f3' or 'l1', found 'last'"):
+    with pytest.raises(ValueError, match="positions='last': expected pyreft's form 'f<n>\\+l<m>', 'f<n>' or 'l<m>'"):
         many.load("x", folders["no"], positions="last")
+    with pytest.raises(ValueError, match="positions='f0' selects no position"):  # would serve the bare model's
+        many.load("x", folders["no"], positions="f0")
 
 
 def test_the_benchmark_smoke_writes_every_provider(tmp_path):
