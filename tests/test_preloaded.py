@@ -70,3 +70,26 @@ def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(_preloaded.VARIABLE, "maybe")
     with pytest.raises(ValueError, match="PYVENE_DIST_FORKSERVER='maybe': expected one of"):
         _preloaded.context()
+
+
+def test_the_running_tests_name_starts_no_server_of_its_own(monkeypatch):
+    """pytest sets PYTEST_CURRENT_TEST for every test: with it in the key, each test that started a world started a
+    server, and past MAX_SERVERS every rank was spawned."""
+    monkeypatch.setattr(_preloaded, "MAX_SERVERS", len(_preloaded._servers) + 1)  # room for one more, not two
+    monkeypatch.setenv("PYVENE_DIST_PRELOAD_TEST", "a setting of its own")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_one (call)")
+    first = _preloaded.context()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_a.py::test_two (call)")
+    second = _preloaded.context()
+    assert first._name != "spawn" and second._name != "spawn" and second._key == first._key
+
+
+def test_with_cuda_ranks_are_spawned(monkeypatch):
+    """A rank forked after its server touched CUDA cannot take its GPU ('Cannot re-initialize CUDA in forked
+    subprocess', on one H200): with CUDA the ranks are spawned."""
+    import torch
+
+    monkeypatch.setattr(_preloaded, "MAX_SERVERS", len(_preloaded._servers) + 1)  # else a new server would serve
+    monkeypatch.setenv("PYVENE_DIST_PRELOAD_TEST", "with CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _preloaded.context()._name == "spawn"

@@ -12,6 +12,12 @@ So a server serves one environment and ``sys.path``: another (a test's ``monkeyp
 library sets for good) gets a server of its own, up to ``MAX_SERVERS``, and past them the context is
 spawn's. A server lives until its parent exits (stopping one waits for every rank it forked).
 ``PYVENE_DIST_FORKSERVER=0`` always gives spawn's.
+
+pytest names the running test in ``PYTEST_CURRENT_TEST``: that variable is left out of the key (``IGNORED``), else
+every test that starts a world started a server of its own, and past ``MAX_SERVERS`` every rank was spawned. On a
+machine with CUDA the context is spawn's: a process forked after CUDA was touched cannot use it, and on one H200 the
+ranks forked from the first servers of a session failed to take their GPU ("Cannot re-initialize CUDA in forked
+subprocess"), where spawned ranks took it.
 """
 
 from __future__ import annotations
@@ -37,8 +43,18 @@ _servers: dict[tuple, forkserver.ForkServer] = {}
 _lock = threading.Lock()
 
 
+#: Variables that change from test to test and that no rank reads: not part of a server's key.
+IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def _now() -> tuple:
-    return frozenset(os.environ.items()), tuple(sys.path)
+    return frozenset(item for item in os.environ.items() if item[0] not in IGNORED), tuple(sys.path)
+
+
+def _cuda() -> bool:
+    import torch  # the ranks' own import: this module is imported before torch where the plugin loads it
+
+    return torch.cuda.is_available()
 
 
 class _Popen(popen_forkserver.Popen):
@@ -81,8 +97,8 @@ class _Context(_context.ForkServerContext):
 
 def context():
     """The context ranks start from: the preloaded server's for this environment and ``sys.path`` (started
-    at its first use), else spawn's."""
-    if "forkserver" not in multiprocessing.get_all_start_methods() or not switch(VARIABLE, True):
+    at its first use), else spawn's (always on a machine with CUDA)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not switch(VARIABLE, True) or _cuda():
         return multiprocessing.get_context("spawn")
     key = _now()
     with _lock:
