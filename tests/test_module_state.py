@@ -26,15 +26,10 @@ MUTABLE_CALLS = frozenset({
 MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
 #: The one module whose job is process-wide state.
 OWNER = "_registry.py"
-#: Findings in modules other helpers of issue 40 own, as "path:name" -> who owns the module and what it is. Each is
-#: a constant table that is never changed, written as a dict or list literal; the owner makes it a tuple, a
-#: frozenset, a ``MappingProxyType`` or ``Final`` and takes its line out of here (an entry whose finding is gone
-#: fails ``test_the_allow_list_names_only_what_is_there``). All but ``_servers`` are tables, not run-time state.
+#: Findings allowed, as "path:name" -> why. Constant tables are tuples, frozensets, ``MappingProxyType``s or ``Final``;
+#: the one entry is run-time state of the test process, not of a model (an entry whose finding is gone fails
+#: ``test_the_allow_list_names_only_what_is_there``).
 ALLOWED = {
-    "fixes/__init__.py:RENAMED": "owner of fixes/__init__.py (fix selection): old fix name -> new names",
-    "mechanisms/batch_split.py:_SPLITS": "helper 'mechanisms' (from fixes/_scatter.py): argument -> splitter",
-    "mechanisms/dtype_checks.py:HIDDEN_STATE_LAYERS": "helper 'mechanisms' (from fixes/locations.py): "
-                                                      "intervention -> layers",
     "testing/_preloaded.py:_servers": "owner of testing/: the harness's fork servers, one per setting, for the "
                                       "process's life (test infrastructure, no model's state): the one real state",
 }

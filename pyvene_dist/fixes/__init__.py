@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -31,10 +32,10 @@ from .._versions import OPTIONAL
 #: Fix names that changed, each with the names it stands for now: ``patch(only=..., exclude=...)`` and a
 #: package's ``FIXES`` take an old name as all of its new ones (``exclude=["trainer"]`` leaves out both halves),
 #: and ``patch()`` warns (``DeprecationWarning``) naming the new ones.
-RENAMED = {
+RENAMED = types.MappingProxyType({
     "checkpointing": ("gradient_checkpointing",),  # beside the checkpoints fix, which saves and loads
     "trainer": ("pyreft_trainer", "hf_trainer"),  # one record for two targets: pyreft's trainers, HF Trainer's
-}
+})
 
 
 def fixes() -> tuple[Fix, ...]:

@@ -30,6 +30,7 @@ input's, naming the argument and both sizes. Never a silent wrong split.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -200,7 +201,7 @@ class _Splitter:
         return [representations[k].unit for k in keys]
 
 
-_SPLITS = {
+_SPLITS = types.MappingProxyType({
     "base": _Splitter.tensors_per_example,
     "labels": _Splitter.tensors_per_example,
     "sources": _Splitter.sources,
@@ -208,7 +209,7 @@ _SPLITS = {
     "subspaces": _Splitter.subspaces,
     "source_representations": _Splitter.source_representations,
     "intervention_additional_kwargs": _Splitter.additional_kwargs,
-}
+})
 
 
 def _is_broadcast_location(value: Any) -> bool:

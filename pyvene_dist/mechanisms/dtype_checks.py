@@ -5,13 +5,18 @@ ways out. ``fixes.locations`` checks it in pyvene's input validation, the fast p
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 
 #: The layers pyreft's interventions call on the hidden states as given (no cast), by class: each must hold the
 #: model's dtype. LoReFT's rotation (``LowRankRotateLayer``) and DiReFT cast for themselves.
-HIDDEN_STATE_LAYERS = {"LoreftIntervention": ("learned_source",), "NoreftIntervention": ("proj_layer", "learned_source"),
-                       "NodireftIntervention": ("proj_layer", "learned_source")}
+HIDDEN_STATE_LAYERS = types.MappingProxyType({
+    "LoreftIntervention": ("learned_source",),
+    "NoreftIntervention": ("proj_layer", "learned_source"),
+    "NodireftIntervention": ("proj_layer", "learned_source"),
+})
 
 
 def check_intervention_dtypes(model, base) -> None:
