@@ -24,8 +24,6 @@ from typing import Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .mechanisms.wrapped_models import intervenable_models
-
 class MixedParameterGroupsWarning(RuntimeWarning):
     """Given by ``fixes.fsdp`` where FSDP2 made trainable parameters DTensors beside a pyvene model's plain
     interventions. An optimizer over ``param_groups(model, ...)`` needs nothing more: where that is the optimizer,
@@ -60,6 +58,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(parameter)
         else:
             decay.append(parameter)
+    # pyvene prints as it is imported, and `pyvene-dist check` imports this module (through the harness) before it
+    # sends standard output elsewhere: pyvene is imported where a pyvene model already exists.
+    from .mechanisms.wrapped_models import intervenable_models
+
     interventions = {id(p) for found in intervenable_models(model) for p in found.interventions.parameters()}
     return [*_interventions_apart(decay, interventions, weight_decay),
             *_interventions_apart(no_decay, interventions, 0.0)]

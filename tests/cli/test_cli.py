@@ -4,6 +4,8 @@ with a note) and ``pyvene-dist fixes``."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -118,3 +120,13 @@ def test_tiny_model_saves_a_folder_the_auto_classes_load(capsys, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 2)
     assert tokenizer.decode(tokenizer("What colour is snow?")["input_ids"]).strip() == "What colour is snow?"
+
+
+def test_the_command_line_imports_no_pyvene_before_it_redirects_standard_output():
+    """pyvene prints a notice to standard output as it is imported ("nnsight is not detected"), and `pyvene-dist
+    check --json` writes its JSON there: the command imports pyvene only inside its redirect. 42a3038 made the
+    harness's ``optim`` import it at the top, and the check's output began with two such lines."""
+    found = subprocess.run([sys.executable, "-c", "import sys, pyvene_dist.__main__; print('pyvene' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout == "False\n", found.stdout
