@@ -113,3 +113,13 @@ def backward_names(grad_fn) -> set[str]:
             names.add(type(node).__name__)
             pending.extend(next_node for next_node, _ in node.next_functions)
     return names
+
+
+def train_step(model, optimizer, case):
+    """One optimizer step of a pyvene model on ``case``'s first batch (a ``ParityCase``), its output returned."""
+    batch = case.batches()[0]
+    _, out = model({"input_ids": batch["input_ids"]},
+                   unit_locations={"sources->base": (None, batch["locations"].tolist())}, labels=batch["labels"])
+    out.loss.backward()
+    optimizer.step()
+    return out

@@ -41,15 +41,6 @@ def reset_accelerate():
     GradientState._reset_state()
 
 
-def step(model, optimizer, case):
-    batch = case.batches()[0]
-    _, out = model({"input_ids": batch["input_ids"]},
-                   unit_locations={"sources->base": (None, batch["locations"].tolist())}, labels=batch["labels"])
-    out.loss.backward()
-    optimizer.step()
-    return out
-
-
 @pytest.mark.world_size(1, timeout=300)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_accelerate_fsdp2_bf16_trains_the_interventions(dtype):
@@ -72,7 +63,7 @@ def test_accelerate_fsdp2_bf16_trains_the_interventions(dtype):
         assert any(isinstance(p, DTensor) for p in model.model.parameters())  # FSDP2 sharded the base
         before = {name: p.detach().clone() for name, p in model.interventions.named_parameters()}
         assert before and all(p.dtype == torch.float32 for p in before.values())  # accelerate's upcast
-        out = step(model, optimizer, case)
+        out = helpers.train_step(model, optimizer, case)
         assert out.logits.dtype == torch.bfloat16  # the policy's compute dtype
         for name, p in model.interventions.named_parameters():
             assert p.dtype == torch.float32 and not torch.equal(p, before[name]), name

@@ -21,14 +21,6 @@ def _kinds(params) -> set[bool]:
     return {isinstance(p, DTensor) for p in params}
 
 
-def _train_step(model, optimizer, case):
-    batch = case.batches()[0]
-    _, out = model({"input_ids": batch["input_ids"]},
-                   unit_locations={"sources->base": (None, batch["locations"].tolist())}, labels=batch["labels"])
-    out.loss.backward()
-    optimizer.step()
-
-
 def _sharded(case: ParityCase):
     from pyvene_dist.fully_shard import fully_shard_model
 
@@ -69,7 +61,7 @@ def test_the_interventions_in_a_group_of_their_own_step_with_foreach():
     others = [p for p in model.parameters() if p.requires_grad and p not in interventions]
     optimizer = torch.optim.AdamW([{"params": list(interventions)}, {"params": others}], lr=1e-2, foreach=True)
     before = [p.detach().clone() for p in interventions]
-    _train_step(model, optimizer, case)
+    helpers.train_step(model, optimizer, case)
     assert all(not torch.equal(p, b) for p, b in zip(interventions, before))
 
 
@@ -87,7 +79,7 @@ def test_pyvene_dists_param_groups_keep_the_interventions_apart():
     # and rotations (the head has no bias)
     assert [len(_kinds(group["params"])) for group in groups if group["params"]] == [1, 1, 1]
     assert [group["weight_decay"] for group in groups] == [0.01, 0.01, 0.0]
-    _train_step(model, torch.optim.AdamW(groups, lr=1e-2, foreach=True), case)
+    helpers.train_step(model, torch.optim.AdamW(groups, lr=1e-2, foreach=True), case)
 
 
 @pytest.mark.world_size(1)
@@ -111,7 +103,7 @@ def test_hf_trainers_optimizer_never_runs_foreach_over_both_kinds(tmp_path):
             assert group["foreach"] is False and not group["fused"], (index, group["foreach"], group["fused"])
         elif not group["fused"]:  # transformers 5.24's default is adamw_torch_fused: fused, as on CUDA
             group["foreach"] = True
-    _train_step(model, optimizer, case)
+    helpers.train_step(model, optimizer, case)
 
 
 @pytest.mark.world_size(1)
