@@ -49,7 +49,8 @@ def rows() -> list[Row]:
     group_of = {name: group for group, names in groups().items() for name in names}
     carried = upstreamed(records)
     floors = _versions.below_floor()
-    changes = {fix.name: _fingerprints.survey([fix]).changed for fix in records}
+    survey = _fingerprints.survey(records)  # one pass over every fix's functions
+    changes = {fix.name: [change for change in survey.changed if change.fix == fix.name] for fix in records}
     # patch() applies none while a fix it would apply has a changed function (``_versions``' rule)
     refusing = sorted(name for name, found in changes.items() if found and name not in carried)
     found = []

@@ -24,6 +24,7 @@ from typing import Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
+
 class MixedParameterGroupsWarning(RuntimeWarning):
     """Given by ``fixes.fsdp`` where FSDP2 made trainable parameters DTensors beside a pyvene model's plain
     interventions. An optimizer over ``param_groups(model, ...)`` needs nothing more: where that is the optimizer,

@@ -117,7 +117,7 @@ class MultiReftModel:
         """Load the ReFT that ``ReftModel.save`` wrote to ``folder`` onto this base model, as ``name``.
         ``positions`` (pyreft's ``f1+l1``) and ``share_weights``: as in training; by default from the folder's
         ``train_settings.json`` (docs/examples/train_reft.py writes it)."""
-        import pyreft  # optional: installed where ReFTs are served
+        import pyreft  # noqa: F401 -- optional, installed where ReFTs are served: missing, it fails here, first
 
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty string, found {name!r}")

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,13 +73,10 @@ def sweep_one(fix: str, timeout: float) -> dict:
 
 
 def environment() -> dict:
+    from pyvene_dist import _installed  # main() has put the checkout on sys.path
+
     names = ("torch", "transformers", "pyvene", "pyreft", "deepspeed", "accelerate")
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
+    versions = {name: found for name in names if (found := _installed.version(name)) is not None}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     return {"commit": commit.stdout.strip() or None, "date": now.date().isoformat(),

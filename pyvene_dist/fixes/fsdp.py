@@ -140,15 +140,17 @@ def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module])
     DTensors: a foreach or fused optimizer step fails on a param group that holds both kinds."""
     from torch.distributed.tensor import DTensor  # fully_shard imported it
 
+    states = {model: MODELS.of(model, FsdpState) for model in models}
+    unwarned = [model for model, state in states.items() if not state.warned_of_mixed_parameters
+                and any(p.requires_grad for p in model.interventions.parameters())]
+    if not unwarned:
+        return
     sharded = [name for module in modules for name, parameter in nn.Module.named_parameters(module)
                if parameter.requires_grad and isinstance(parameter, DTensor)]
     if not sharded:
         return
-    for model in models:
-        state = MODELS.of(model, FsdpState)
-        if state.warned_of_mixed_parameters or not any(p.requires_grad for p in model.interventions.parameters()):
-            continue
-        state.warned_of_mixed_parameters = True
+    for model in unwarned:
+        states[model].warned_of_mixed_parameters = True
         named = ", ".join(sharded[:NAMED_IN_WARNING]) + (f" and {len(sharded) - NAMED_IN_WARNING} more"
                                                           if len(sharded) > NAMED_IN_WARNING else "")
         warnings.warn(
