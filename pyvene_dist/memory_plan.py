@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
+import transformers
 from torch import nn
 
 from .testing import models
@@ -100,6 +101,8 @@ class Estimate:
     interventions: float  # their weights, gradients and Adam state
     activations: float  # at the peak, without gradient checkpointing
     activations_checkpointed: float  # with (non-reentrant) gradient checkpointing
+    #: Bytes on a process's device at the peak of loading the base (``load_bytes``), before the first step.
+    load: float = 0.0
 
     @property
     def total(self) -> float:
@@ -156,19 +159,16 @@ def meta_model(model: str, hidden: int | None = None, layers: int | None = None)
         if model in models.BASE_MODELS:
             shape = {k: v for k, v in {"hidden": hidden, "layers": layers}.items() if v is not None}
             return models.BASE_MODELS[model](**shape)
-        # Here: transformers takes seconds to import, and the command line imports this module for every command.
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if Path(model).exists():
             config = model_config(model)
         else:
             try:
-                config = AutoConfig.from_pretrained(model, local_files_only=True)
+                config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
             except (OSError, ValueError) as error:
                 raise ValueError(f"{model}: neither a built-in name ({', '.join(sorted(models.BASE_MODELS))}), a "
                                  f"local path, nor a hub name in the local cache (plan never downloads): "
                                  f"{str(error).splitlines()[0]}") from None
-        return AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config)  # its modules imported here, when used
 
 
 # --- the terms -----------------------------------------------------------------------------------------------
@@ -285,24 +285,52 @@ def estimate(shape: Shape, run: Run, strategy: str) -> Estimate:
     activations = lambda **kw: (activation_bytes(shape, run, **kw),  # noqa: E731
                                 activation_bytes(shape, run, checkpointed=True, **kw))
     parameters, gathered = weights, dequantized
-    if strategy.startswith("fsdp2"):  # a shard each (on the host with offload); one layer gathered while the next
-        # is prefetched, and the LM head
+    if strategy.startswith("fsdp2"):  # a shard each (on the host with offload); in backward one layer gathered while
+        # the one before is prefetched, whose all-gather buffer lives until it is copied out: three layers; the LM head
         parameters = 0.0 if strategy == "fsdp2-offload" else weights / n
         layer = weight_bytes(shape, run, shape.layer_parameters, shape.layer_quantizable,
                              shape.linear_rows / shape.layers)
-        gathered += 2 * layer + shape.largest_outer_module * e
+        gathered += 3 * layer + shape.largest_outer_module * e
     elif strategy.startswith("zero3"):
         zero = {**ZERO_DEFAULTS, **run.zero}
         parameters = 0.0 if strategy == "zero3-offload" else weights / n
         per_element = weights / shape.parameters if run.quantize else e  # the live elements' mean size
-        gathered += _zero3_gathered(shape, zero) * per_element + zero["reduce_bucket_size"] * e
+        gathered += _zero3_gathered(shape, zero) * per_element + _reduce_bucket(shape, run, zero) * e
     elif strategy == "device_map":  # one process; the layers split over the GPUs, the loss on the last
         parameters = weights / run.gpus
         per_gpu = math.ceil(shape.layers / run.gpus)
         plain, checkpointed = activations(layers_here=per_gpu)
-        return Estimate(strategy, parameters, dequantized, interventions, plain, checkpointed)
+        return Estimate(strategy, parameters, dequantized, interventions, plain, checkpointed,
+                        load_bytes(shape, run, strategy))
     plain, checkpointed = activations()
-    return Estimate(strategy, parameters, gathered, interventions, plain, checkpointed)
+    return Estimate(strategy, parameters, gathered, interventions, plain, checkpointed, load_bytes(shape, run, strategy))
+
+
+def load_bytes(shape: Shape, run: Run, strategy: str) -> float:
+    """Bytes on a process's device at the peak of loading the base, under ``pyvene_dist.patch()``
+    (``pyvene_dist.loading``): under FSDP2 each rank holds its shard and reads one weight's rows at a time (a 4-bit
+    base: read in the training dtype and quantized there); under ZeRO-3 each rank holds its partitions, and
+    transformers' ``zero.Init`` builds each module whole before partitioning it, the largest at once; otherwise (DDP,
+    ZeRO-1/2) every process loads the whole base, and ``device_map`` each GPU its layers. The host holds at most
+    one weight's read part besides (safetensors read with ``pread``, not mapped)."""
+    e, n = run.bytes, run.world
+    weights = weight_bytes(shape, run)
+    largest = max(shape.largest_linear, shape.largest_outer_module)
+    if strategy.startswith("fsdp2"):
+        return (0.0 if strategy == "fsdp2-offload" else weights / n) + largest / n * e
+    if strategy.startswith("zero3"):
+        return (0.0 if strategy == "zero3-offload" else weights / n) + largest * e
+    if strategy == "device_map":
+        return weights / run.gpus
+    return weights
+
+
+def _reduce_bucket(shape: Shape, run: Run, zero: dict) -> float:
+    """Elements of ZeRO-3's gradient reduce bucket that take memory: the whole bucket on a GPU (allocated at once),
+    on the CPU the part the interventions' gradients write (memory is committed where it is first written)."""
+    if run.device != "cpu":
+        return zero["reduce_bucket_size"]
+    return min(zero["reduce_bucket_size"], len(run.layers) * (2 * shape.hidden * run.rank + run.rank))
 
 
 def _zero3_gathered(shape: Shape, zero: dict) -> float:
@@ -344,18 +372,21 @@ def table(shape: Shape, run: Run, estimates: list[Estimate], gpu_memory: float) 
               f"{shape.hidden}; {base}, batch {run.batch} x {run.seq_len} tokens per GPU, LoReFT rank "
               f"{run.rank} at layers {','.join(map(str, run.layers))}; {run.nodes} node(s) x {run.gpus} GPU(s); "
               f"fits = within {USABLE:.0%} of {gpu_memory:g} GiB")
-    columns = ("strategy", "weights", "gathered", "ReFT+Adam", "activations", "total", "fits",
+    columns = ("strategy", "load", "weights", "gathered", "ReFT+Adam", "activations", "total", "fits",
                "ckpt activations", "ckpt total", "fits")
     rows = [columns]
     for found in estimates:
         fit = lambda total: "yes" if fits(total, gpu_memory) else "no"  # noqa: E731
-        rows.append((found.strategy, _gib(found.parameters), _gib(found.gathered), _gib(found.interventions),
+        rows.append((found.strategy, _gib(found.load), _gib(found.parameters), _gib(found.gathered),
+                     _gib(found.interventions),
                      _gib(found.activations), _gib(found.total), fit(found.total),
                      _gib(found.activations_checkpointed), _gib(found.total_checkpointed),
                      fit(found.total_checkpointed)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    notes = ["GiB per GPU. The base model is frozen: no gradients or optimizer state for it. ZeRO settings: "
+    notes = ["GiB per GPU. load: the peak while the base loads, under pyvene_dist.patch() (FSDP2 with "
+             "cpu_ram_efficient_loading and ZeRO-3 read each rank's share: docs/loading.md). The base model is "
+             "frozen: no gradients or optimizer state for it. ZeRO settings: "
              + json.dumps({**ZERO_DEFAULTS, **run.zero}) + ". device_map: one process, the layers split over "
              "the GPUs of one node, --batch its whole batch."]
     if run.quantize is not None:

@@ -184,7 +184,7 @@ def test_the_command_prints_every_strategy_and_whether_it_fits(config_folder, ca
     for strategy in memory_plan.PLANNED:
         assert strategy in lines, out
     # DDP measured 7.97 GiB at this shape (ddp-scaling-2xH200.jsonl): not within 90% of 8 GiB; checkpointed it is
-    assert lines["ddp"][6] == "no" and lines["ddp"][9] == "yes", out
+    assert lines["ddp"][7] == "no" and lines["ddp"][10] == "yes", out
     assert "1.10B parameters" in out
 
 
@@ -209,11 +209,37 @@ def test_the_json_rows_add_up(config_folder, capsys):
     (("--model", "llama-1b", "--gpus", "2", "--zero", "{live"), "pyvene-dist: --zero '{live' is not JSON"),
     (("--model", "llama-1b", "--gpus", "0"), "argument --gpus: expected a positive integer, got '0'"),
     (("--model", "llama-1b", "--gpus", "2", "--gpu-memory", "-1"), "GPU memory is a positive number of GiB"),
+    # issue 50: nan planned "within 90% of nan GiB"; a misspelt key was echoed and ignored; a word, a TypeError
+    (("--model", "llama-1b", "--gpus", "2", "--gpu-memory", "nan"),
+     "GPU memory is a positive number of GiB, got 'nan'"),
+    (("--model", "llama-1b", "--gpus", "2", "--zero", '{"stage3_max_live_params": 3e7}'),
+     "'stage3_max_live_params' is no ZeRO setting (did you mean 'stage3_max_live_parameters'?); the estimate reads "
+     "stage3_max_live_parameters, stage3_prefetch_bucket_size, reduce_bucket_size"),
+    (("--model", "llama-1b", "--gpus", "2", "--zero", '{"stage3_max_live_parameters": "lots"}'),
+     'stage3_max_live_parameters is "lots"; expected a number of elements, 0 or more'),
+    (("--model", "llama-1b", "--gpus", "2", "--zero", '{"reduce_bucket_size": true}'),
+     "reduce_bucket_size is true; expected a number of elements, 0 or more (or 'auto', which HF fills in)"),
 ])
 def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message, capsys):
     code, out, err = cli(capsys, *arguments)
     assert code == 2 and not out, (code, out, err)
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_a_zero_section_pasted_from_a_config_plans_as_deepspeed_and_hf_read_it(config_folder, capsys):
+    """DeepSpeed's other settings (``stage``, ``overlap_comm``) change no estimate and are taken; ``"auto"`` is what
+    HF Trainer fills in from the hidden size (hidden x hidden for the reduce bucket, 0.9 of it for the prefetch)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed's settings are read from DeepSpeed")
+    common = ("--model", str(config_folder), "--gpus", "2", "--json")
+    hidden = json.loads((config_folder / "config.json").read_text())["hidden_size"]
+    pasted = {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}
+    found = {}
+    for name, zero in (("pasted", pasted), ("filled", {"reduce_bucket_size": hidden * hidden,
+                                                       "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)})):
+        code, out, err = cli(capsys, *common, "--zero", json.dumps(zero))
+        assert code == 0, err
+        found[name] = {row["strategy"]: row["gathered"] for row in json.loads(out)}
+    assert found["pasted"] == found["filled"]
 
 
 def test_the_documented_table_is_what_plan_prints(capsys, monkeypatch):
@@ -226,3 +252,51 @@ def test_the_documented_table_is_what_plan_prints(capsys, monkeypatch):
     code, out, err = cli(capsys, *command.split()[3:])
     assert code == 0, err
     assert out.splitlines() == shown
+
+
+#: benchmarks/loading.py's rows: the largest CPU rank's peak host memory (less the tiny model's under the same
+#: strategy) when the model is built and sharded (the load) and through the first step, 206M and 50M folders.
+LOADING_ROWS = RESULTS / "loading-cpu.jsonl"
+LOADED = ("fsdp2", "zero3")
+
+
+def loading_rows():
+    for number, line in enumerate(LOADING_ROWS.read_text().splitlines(), start=1):
+        row = json.loads(line)
+        if row["strategy"] in LOADED and row.get("malloc") == "check":
+            yield pytest.param(row, id=f"loading-cpu.jsonl:{number}:{row['strategy']}x{row['world_size']}")
+
+
+#: CPU rows whose first step plan misses by more than TOLERANCE (strict: fails once plan gets them right). The 206M
+#: and 50M runs solve to 2.6 layers plus 33 MiB above the load: a CPU rank's step holds some 33 MiB that plan does not
+#: count (gloo's and torch's own buffers, the same at any size), which is 20% of the 50M model's step and 5% of 206M's.
+STEP_MISSES = {"50m fsdp2 x2": "CPU ranks' constant ~33 MiB, 20% of a 50M model's step",
+               "50m zero3 x2": "CPU ranks' constant ~33 MiB, 20% of a 50M model's step"}
+
+
+@pytest.mark.parametrize("row", list(loading_rows()))
+def test_plan_load_and_first_step_are_within_15_percent_of_cpu_ranks(row, request):
+    """plan's ``load`` column and its total against CPU ranks (benchmarks/loading.py): the run check's harness makes,
+    LoReFT at the first and last layer, 2 sequences of 16 tokens a rank, ZeRO-3 with its two live layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pyvene_dist.testing.runners import _live_layers
+
+    size = row["model"].split()[0]
+    sizes = {"206m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16),
+             "50m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=16, num_attention_heads=8)}[size]
+    with torch.device("meta"):  # the folder's config, as benchmarks/loading.py saves it (save_checkpoint's vocabulary)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=334, max_position_embeddings=128, tie_word_embeddings=False,
+                                             num_key_value_heads=sizes["num_attention_heads"], **sizes))
+    shape = memory_plan.shape_of(model, size)
+    run = memory_plan.Run(gpus=row["world_size"], batch=2, seq_len=16, dtype="fp32", device="cpu",
+                          layers=(0, shape.layers - 1), zero=_live_layers(model))
+    planned = memory_plan.estimate(shape, run, row["strategy"])
+    runs = row["per_run"]
+    loaded = sorted(run["load_peak"] - run["tiny_load_peak"] for run in runs)[len(runs) // 2]
+    stepped = sorted(run["peak"] - run["tiny_peak"] for run in runs)[len(runs) // 2]
+    assert planned.load == pytest.approx(loaded, rel=TOLERANCE), (planned.load / 2**20, loaded / 2**20)
+    miss = STEP_MISSES.get(f"{size} {row['strategy']} x{row['world_size']}")
+    if miss:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=miss))
+    assert planned.total == pytest.approx(stepped, rel=TOLERANCE), (planned.total / 2**20, stepped / 2**20)

@@ -17,8 +17,8 @@ import os
 import torch
 from torch import nn
 
-from ...gather import placed_like, whole
-from ._files import MODEL_FILE, read_saved
+from ..gather import placed_like, whole
+from .saved_files import MODEL_FILE, read_saved
 
 
 def trainable_base_weights(model: nn.Module) -> dict[str, nn.Parameter]:
