@@ -8,7 +8,8 @@ override them (``--model`` when the model moved); for interventions saved by ano
 ``--model``, ``--positions``, ``--share_weights`` and ``--dtype`` as they were in training.
 
 What does not fit stops before answering, naming the flag or file: a folder ``ReftModel.save`` did not write (no
-``config.json``), a base model folder that is not there, a base model of another hidden size than the one the
+``config.json``; a training run's output folder or checkpoint is named as such), a base model folder that is not
+there, a file, or a folder without the tokenizer, a base model of another hidden size than the one the
 interventions were trained on, an empty or corrupt ``intkey_*.bin`` (read with ``weights_only=True`` only), and
 ``--positions`` pyreft reads as no position or that the prompt is too short for. A ``--dtype`` other than the interventions' own serves: each
 intervention computes in the dtype it was saved in (``pyvene_dist.fixes.checkpoints``).
@@ -40,6 +41,11 @@ def settings(interventions, **given):
     """What answering needs: the flags given, else what training saved, else ``DEFAULTS``."""
     if not os.path.isfile(os.path.join(interventions, "config.json")):
         what = "has no config.json" if os.path.isdir(interventions) else "is not a folder"
+        inside = os.path.join(interventions, "reft")
+        if os.path.isfile(os.path.join(inside, "config.json")):
+            what += f": it is a training run's --output_dir, whose interventions are in {inside}"
+        elif os.path.isfile(os.path.join(interventions, "trainer_state.json")):
+            what += ": it is a checkpoint of a run, to resume training from (train_reft.py --resume_from_checkpoint)"
         raise SystemExit(f"serve_reft.py: --interventions {interventions} {what}; expected the folder ReftModel.save "
                          "wrote (train_reft.py saves to OUTPUT_DIR/reft, or --save_dir)")
     path = os.path.join(interventions, SETTINGS)
@@ -52,10 +58,12 @@ def settings(interventions, **given):
         raise SystemExit(f"serve_reft.py: {interventions} has no {SETTINGS}; pass --model (and the --positions, "
                          "--share_weights and --dtype of training)")
     model = found["model"]
-    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
-        source = "--model" if given.get("model") else f"{path} names the base model"
+    source = "--model" if given.get("model") else f"{path} names the base model"
+    if not os.path.exists(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise SystemExit(f"serve_reft.py: {source} {model}, which is not there (moved or deleted?); pass --model with "
                          "the base model's folder as it is now")
+    if problem := flags.model_folder_problem(model):  # a file: a TypeError; no tokenizer: advice on sentencepiece
+        raise SystemExit(f"serve_reft.py: {source} {problem}")
     if positions_counts(found["positions"]) is None:
         raise SystemExit(f"serve_reft.py: --positions {found['positions']!r}: pyreft reads it as no position; "
                          "expected fN, lN or fN+lN as in training (f1+l1, l1)")
@@ -152,14 +160,16 @@ def parse_arguments(argv=None):
     return options
 
 
-def check_positions_fit(positions, tokenizer, prompt) -> None:
+def check_positions_fit(positions, tokenizer, prompt, program="serve_reft.py") -> None:
     """Stop where ``--positions`` asks for more of the prompt than pyreft takes: at most half of its tokens for
     each of the first and last positions (beyond that, its locations indexed past the prompt: ``RuntimeError:
     index 3 is out of bounds for dimension 1 with size 3``)."""
     length = len(tokenizer(prompt)["input_ids"])
+    if length == 0:
+        raise SystemExit(f"{program}: --prompt {prompt!r} has no tokens; give a prompt to answer")
     first, last = pyreft.parse_positions(positions)
     if max(first, last) > length // 2:
-        raise SystemExit(f"serve_reft.py: --positions {positions}: --prompt {prompt!r} has {length} tokens, and "
+        raise SystemExit(f"{program}: --positions {positions}: --prompt {prompt!r} has {length} tokens, and "
                          f"pyreft takes at most half of them ({length // 2}) for each of the first and last positions; "
                          "give a longer --prompt, or the fewer positions it fits")
 

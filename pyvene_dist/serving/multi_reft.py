@@ -17,7 +17,7 @@ named ``None``; the test (tests/test_serving.py) checks it for LoReFT, NoReFT an
 the CPU, in pyreft's prompt mode and in pyvene's every-token mode.
 
 How: the base model is held once; each ReFT adds only its interventions (``ReftModel.load`` reads the
-folder, onto this base, and the interventions are kept; ``_load`` says what NoReFT needs besides). A
+folder, onto this base, and the interventions are kept; ``reft_folder.load_folder`` says what NoReFT needs besides). A
 ``generate`` registers one hook per hooked module (a forward hook for an output component, a pre-hook for
 an input one) for the ReFTs its rows name, runs the base model's ``generate`` once for the whole batch,
 and removes the hooks. Each hook
@@ -25,8 +25,11 @@ applies, in pyvene's order, every intervention of every ReFT that acts on that m
 naming that ReFT, at their positions: the representations are gathered by row and position
 (advanced indexing), intervened on with pyvene's ``do_intervention`` and written back in place, as
 pyvene's ``unit="pos"`` hooks do. Rows of other ReFTs and bare rows are not touched. The LoReFTs of
-two ReFTs or more at one module go together through batched matmuls (``_serving_hooks.StackedLoreft``): a step then
+two ReFTs or more at one module go together through batched matmuls (``_row_hooks.StackedLoreft``): a step then
 costs the same few kernels whatever the number of ReFTs.
+
+Beam search and ``num_return_sequences`` run the forwards on copies of each row (``generate`` repeats row ``i``
+in place); each copy takes its row's ReFT, as ``ReftModel.generate`` gives that row alone.
 
 Modes, as pyvene's ``generate`` has them:
 
@@ -52,27 +55,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 
 import torch
 from pyvene import SourcelessIntervention
-from pyvene.models.basic_utils import get_type_from_string
-from pyvene.models.configuration_intervenable_model import RepresentationConfig
 from pyvene.models.modeling_utils import get_dimension_by_component, get_internal_model_type, type_to_module_mapping
 from torch import nn
 
-from . import is_patched, patched
-from ._serving_hooks import left_padded, register_hook, rows_by_module
-from .fixes.checkpoints import read_saved
-from .mechanisms.parametrization_cache import cached_parametrizations
-from .positions import parse_positions
+from .. import is_patched, patched
+from .._optional import import_pyreft
+from ..mechanisms.parametrization_cache import cached_parametrizations
+from ..positions import parse_positions
+from ..reft_folder import (SETTINGS, load_folder, location_count_problem, representation, saved_config, saved_settings,
+                           saved_state)
+from ._row_hooks import left_padded, register_hook, rows_by_module
+from .batching import generate_batch, init_manager, paused
 
-#: Written by docs/examples/train_reft.py beside the interventions: the positions and shared weights of training.
-SETTINGS = "train_settings.json"
 #: Caches ``generate`` builds without compiling (others are compiled on a GPU unless ``disable_compile``).
 EAGER_CACHES = (None, "dynamic")
+#: ``generate``'s keywords for assisted decoding, whose forwards hold several new tokens.
+ASSISTED = frozenset({"assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,6 +110,7 @@ class MultiReftModel:
     def __init__(self, model: nn.Module):
         self.model = model
         self.refts: dict[str, LoadedReft] = {}
+        self._continuous = None  # the ReFTs of a continuous batching manager, while one exists (batching.py)
 
     @property
     def names(self) -> list[str]:
@@ -117,7 +121,7 @@ class MultiReftModel:
         """Load the ReFT that ``ReftModel.save`` wrote to ``folder`` onto this base model, as ``name``.
         ``positions`` (pyreft's ``f1+l1``) and ``share_weights``: as in training; by default from the folder's
         ``train_settings.json`` (docs/examples/train_reft.py writes it)."""
-        import pyreft  # noqa: F401 -- optional, installed where ReFTs are served: missing, it fails here, first
+        import_pyreft("pyvene_dist.serving serves ReFTs")  # missing, it fails here, first
 
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty string, found {name!r}")
@@ -125,33 +129,63 @@ class MultiReftModel:
             raise ValueError(f"name {name!r}: a ReFT of that name is loaded already (from {self.refts[name].folder});"
                              " unload it first")
         folder = os.fspath(folder)
-        config = _saved_config(folder)
-        settings = _settings(folder)
+        config = saved_config(folder)
+        settings = saved_settings(folder)
         positions = positions if positions is not None else settings.get("positions")
         if positions is None:
             raise ValueError(f"positions: {folder} has no {SETTINGS}; pass the positions of training, e.g. "
                              "positions='f1+l1'")
         first, last = parse_positions(positions)  # refuses a malformed form, and one that selects no position
-        share_weights = bool(share_weights if share_weights is not None else settings.get("share_weights", False))
+        if share_weights is not None and not isinstance(share_weights, bool):
+            raise TypeError(f"share_weights: expected True, False or None (from {SETTINGS}), found {share_weights!r}")
+        share_weights = share_weights if share_weights is not None else settings.get("share_weights", False)
+        if not isinstance(share_weights, bool):
+            raise TypeError(f"share_weights: {folder}'s {SETTINGS} holds {share_weights!r}; expected true or false")
         _check_against_base(self.model, folder, config)
         # pyvene_dist's checkpoints fix restores every weight in the dtype it was saved in (stock pyreft
         # rebuilds LoReFT's learned_source in bfloat16): load under the patch, as serve_reft.py does.
         patching = contextlib.nullcontext() if is_patched() else patched()
         with patching:
-            reft_model = _load(folder, self.model, config)
+            reft_model = load_folder(folder, self.model, config)
         loaded = LoadedReft(name, folder, positions, share_weights,
                             tuple(_intervention(reft_model, key, index) for index, key in
                                   enumerate(reft_model.sorted_keys)))
-        expected = _location_count(first, last, share_weights, len(loaded.interventions))
+        expected = location_count_problem(first, last, share_weights, len(loaded.interventions))
         if expected is not None:
             raise ValueError(expected.format(folder=folder, positions=positions, share_weights=share_weights))
         self.refts[name] = loaded
+        if self._continuous is not None:
+            try:
+                with paused(self._continuous):
+                    self._continuous.add(name)
+            except BaseException:
+                del self.refts[name]
+                raise
         return loaded
 
     def unload(self, name: str) -> None:
+        """Forget the ReFT ``name``; refused while a continuous batching request names it."""
         if name not in self.refts:
             raise KeyError(f"name {name!r}: no ReFT of that name is loaded; loaded: {self.names}")
+        if self._continuous is not None:
+            with paused(self._continuous):
+                self._continuous.remove(name)
         del self.refts[name]
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *,
+                                 workload_hints=None):
+        """transformers' ``model.init_continuous_batching`` whose requests name their ReFT:
+        ``add_request(ids, reft="poet", intervene_on_prompt=True, ...)`` (``batching.ReftBatchingManager``; how
+        a step applies the ReFTs: ``continuous``)."""
+        return init_manager(self, generation_config, continuous_batching_config, workload_hints=workload_hints)
+
+    def generate_batch(self, inputs, *, refts, intervene_on_prompt: bool = True, max_new_tokens: int | None = None,
+                       generation_config=None, continuous_batching_config=None, timeout: float = 600.0) -> dict:
+        """transformers' ``model.generate_batch`` (lists of token ids, continuous batching), prompt ``i`` with the
+        ReFT ``refts[i]`` (None: the bare model): request id -> ``GenerationOutput``, in the order of ``inputs``."""
+        return generate_batch(self, inputs, refts=refts, intervene_on_prompt=intervene_on_prompt,
+                              max_new_tokens=max_new_tokens, generation_config=generation_config,
+                              continuous_batching_config=continuous_batching_config, timeout=timeout)
 
     def memory(self) -> dict:
         """Bytes of the base model's parameters and buffers, and of each ReFT's parameters."""
@@ -165,6 +199,9 @@ class MultiReftModel:
         the left), row ``i`` with the ReFT named ``refts[i]`` (``None``: the bare model). Returns the token ids,
         as ``model.generate`` does (prompt included)."""
         input_ids = inputs["input_ids"]
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"inputs['input_ids']: expected a tensor of shape (rows, tokens), as "
+                            f"tokenizer(..., return_tensors='pt', padding=True) gives, found {type(input_ids).__name__}")
         if input_ids.dim() != 2:
             raise ValueError(f"inputs['input_ids']: expected a batch of shape (rows, tokens), found shape "
                              f"{tuple(input_ids.shape)}")
@@ -180,10 +217,18 @@ class MultiReftModel:
             raise ValueError(f"cache_implementation={cache!r}: generate compiles the decoding step with it (on a "
                              "GPU), and the mixed-ReFT hooks run eagerly; pass disable_compile=True or use "
                              "the dynamic cache")
+        assisted = sorted(set(generate_kwargs) & ASSISTED)
+        if assisted and not intervene_on_prompt:
+            raise ValueError(f"{assisted[0]}: assisted decoding checks several candidate tokens in one forward, and "
+                             "every-token mode intervenes on one new token per forward; use intervene_on_prompt=True "
+                             "or leave assisted decoding out")
         mask = inputs.get("attention_mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise TypeError(f"inputs['attention_mask']: expected a tensor as input_ids, found {type(mask).__name__}")
         lengths, offsets = left_padded(mask, input_ids)
         calls = rows_by_module(self.refts, refts, lengths, offsets, intervene_on_prompt, input_ids.device)
-        handles = [register_hook(module, pre, entries, intervene_on_prompt) for (module, pre), entries in calls.items()]
+        handles = [register_hook(module, pre, entries, intervene_on_prompt, rows)
+                   for (module, pre), entries in calls.items()]
         try:
             with cached_parametrizations():
                 return self.model.generate(**inputs, **generate_kwargs)
@@ -194,33 +239,6 @@ class MultiReftModel:
 
 # --- loading ----------------------------------------------------------------------------------------------
 
-def _saved_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"folder: expected a folder ReftModel.save wrote (with config.json), found {folder!r}"
-                         + ("" if os.path.isdir(folder) else ", which does not exist"))
-    with open(path) as file:
-        config = json.load(file)
-    if "representations" not in config or "sorted_keys" not in config:
-        raise ValueError(f"folder: {path} is no saved ReFT's config (it lacks representations and sorted_keys)")
-    return config
-
-
-def _settings(folder: str) -> dict:
-    path = os.path.join(folder, SETTINGS)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as file:
-        return json.load(file)
-
-
-def _representation(config: dict, index: int) -> dict:
-    """The saved representation ``index`` by field name (pyvene saves each as a list, in
-    ``RepresentationConfig``'s field order)."""
-    saved = config["representations"][index]
-    return dict(zip(RepresentationConfig._fields, saved)) if isinstance(saved, list) else dict(saved)
-
-
 def _check_against_base(model: nn.Module, folder: str, config: dict) -> None:
     """The saved ReFT fits this base: its layers, the width of each representation (pyvene saves each
     intervention's width; the weights' shapes say it too), and the dtype of its weights."""
@@ -229,8 +247,8 @@ def _check_against_base(model: nn.Module, folder: str, config: dict) -> None:
     layer_count = getattr(model.config, "num_hidden_layers", None)
     base_dtype = next(model.parameters()).dtype
     for index, key in enumerate(config["sorted_keys"]):
-        representation = _representation(config, index)
-        component, unit, layer = representation["component"], representation["unit"], representation["layer"]
+        fields = representation(config, index)
+        component, unit, layer = fields["component"], fields["unit"], fields["layer"]
         if unit != "pos":
             raise ValueError(f"folder {folder}: representation {index} has unit {unit!r}; mixed-ReFT batches "
                              "take unit 'pos'")
@@ -241,13 +259,13 @@ def _check_against_base(model: nn.Module, folder: str, config: dict) -> None:
             raise ValueError(f"folder {folder}: representation {index} is at layer {layer}; the base model has "
                              f"layers 0 to {layer_count - 1}")
         width = get_dimension_by_component(model_type, model.config, component)
-        width = None if width is None else width * int(representation["max_number_of_units"])
+        width = None if width is None else width * int(fields["max_number_of_units"])
         saved_width = (config.get("intervention_dimensions") or [None] * (index + 1))[index]
         if width is not None and saved_width is not None and saved_width != width:
             raise ValueError(f"folder {folder}: intervention {index} ({key}) is {saved_width} wide; the base model's "
                              f"{component} is {width} wide (a ReFT of another base model?)")
         path = os.path.join(folder, f"intkey_{key}.bin")
-        for tensor_name, tensor in _saved_state(folder, key).items():
+        for tensor_name, tensor in saved_state(folder, key).items():
             if not torch.is_floating_point(tensor):
                 continue
             if width is not None and tensor.dim() == 2 and width not in tensor.shape:
@@ -259,44 +277,6 @@ def _check_against_base(model: nn.Module, folder: str, config: dict) -> None:
                                  f"{str(tensor.dtype).removeprefix('torch.')}, the base model is "
                                  f"{str(base_dtype).removeprefix('torch.')}: load the base in the dtype of "
                                  "training (train_settings.json's dtype)")
-
-
-#: pyreft's interventions that read ``add_bias`` when built, which pyvene's saved config does not hold.
-NEED_ADD_BIAS = ("NoreftIntervention", "NodireftIntervention")
-
-
-def _load(folder: str, model: nn.Module, config: dict):
-    """``pyreft.ReftModel.load(folder, model)``, the path docs/examples/serve_reft.py takes; for NoReFT and
-    NodiReFT, which it cannot rebuild (``KeyError: 'add_bias'``: pyvene saves no constructor argument beyond
-    the representation), the same interventions built with ``add_bias`` read from the saved weights (a
-    ``proj_layer.bias`` or none), in the dtype saved, and loaded with ``load_intervention``."""
-    import pyreft  # optional: installed where ReFTs are served
-
-    types = [get_type_from_string(name) for name in config["intervention_types"]]
-    if not any(kind.__name__ in NEED_ADD_BIAS for kind in types):
-        return pyreft.ReftModel.load(folder, model)
-    representations = []
-    for index, (key, kind) in enumerate(zip(config["sorted_keys"], types)):
-        fields = _representation(config, index)
-        state = _saved_state(folder, key)
-        dtypes = [tensor.dtype for tensor in state.values() if torch.is_floating_point(tensor)]
-        width = get_dimension_by_component(get_internal_model_type(model), model.config, fields["component"])
-        built = {**fields, "embed_dim": width * int(fields["max_number_of_units"]), "use_fast": False,
-                 "add_bias": any(name.endswith("proj_layer.bias") for name in state),
-                 **({"dtype": dtypes[0]} if dtypes else {})}
-        kept = ("layer", "component", "unit", "max_number_of_units", "low_rank_dimension")
-        representations.append({name: fields[name] for name in kept} | {"intervention": kind(**built)})
-    reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations), set_device=False)
-    if list(reft_model.interventions) != list(config["sorted_keys"]):
-        raise ValueError(f"folder {folder}: its interventions {config['sorted_keys']} were rebuilt as "
-                         f"{list(reft_model.interventions)}")
-    reft_model.load_intervention(folder, include_model=False)
-    return reft_model
-
-
-def _saved_state(folder: str, key: str) -> dict:
-    path = os.path.join(folder, f"intkey_{key}.bin")
-    return read_saved(path) if os.path.isfile(path) else {}
 
 
 def _intervention(reft_model, key: str, index: int) -> Intervention:
@@ -311,12 +291,3 @@ def _intervention(reft_model, key: str, index: int) -> Intervention:
     for parameter in intervention.parameters():
         parameter.requires_grad_(False)
     return Intervention(module, register.__name__ == "register_forward_pre_hook", intervention, index)
-
-
-def _location_count(first: int, last: int, share_weights: bool, interventions: int) -> str | None:
-    """Why pyreft's locations for these positions would not pair with ``interventions``, or None."""
-    if first and last and not share_weights and interventions % 2:
-        return ("positions: {positions!r} with share_weights={share_weights} gives the first and the last "
-                f"positions their own interventions (an even number), but {{folder}} holds {interventions}; "
-                "pass share_weights=True if training shared them")
-    return None

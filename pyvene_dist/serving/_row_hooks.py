@@ -1,6 +1,6 @@
-"""The hooks of ``serving.MultiReftModel.generate``: each row's ReFT applied at its positions, as pyvene's
-``unit="pos"`` hooks apply one ReFT to a whole batch (``serving``'s docstring says how), and the LoReFTs of several
-ReFTs at one module together (``StackedLoreft``). ``serving`` calls ``left_padded``, ``rows_by_module`` and
+"""The hooks of ``MultiReftModel.generate``: each row's ReFT applied at its positions, as pyvene's
+``unit="pos"`` hooks apply one ReFT to a whole batch (``multi_reft``'s docstring says how), and the LoReFTs of several
+ReFTs at one module together (``StackedLoreft``). ``multi_reft`` calls ``left_padded``, ``rows_by_module`` and
 ``register_hook``."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 from pyvene.models.modeling_utils import do_intervention
 from torch import nn
 from transformers.activations import LinearActivation
+
+from .._optional import import_pyreft
 
 
 def left_padded(mask: torch.Tensor | None, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -33,7 +35,7 @@ def rows_by_module(refts: dict, names: Sequence[str | None], lengths, offsets, o
     """Per hooked (module, pre-hook or not): (intervention, rows, positions) in the order pyvene applies
     them, for the ReFTs ``names`` uses. Positions are ``[rows, n]`` indices into the batch's tensors (every-token:
     position 0)."""
-    import pyreft  # optional: installed where ReFTs are served
+    pyreft = import_pyreft("pyvene_dist.serving serves ReFTs")
 
     calls: dict = {}
     for name in dict.fromkeys(name for name in names if name is not None):
@@ -60,20 +62,25 @@ def rows_by_module(refts: dict, names: Sequence[str | None], lengths, offsets, o
     return calls
 
 
-def register_hook(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
+def register_hook(module: nn.Module, pre: bool, entries: list, on_prompt: bool, batch_rows: int):
     """One hook on ``module`` applying every entry's intervention to its rows: on the first call only
     (``on_prompt``) or on every call but the first (every-token), as pyvene's generation counters do. The
-    LoReFTs of several ReFTs are applied together where they can be (``StackedLoreft``)."""
+    LoReFTs of several ReFTs are applied together where they can be (``StackedLoreft``).
+
+    ``generate`` may run its forwards on more rows than the ``batch_rows`` it was given: beam search and
+    ``num_return_sequences`` repeat each row in place (``repeat_interleave``), so row ``i``'s copies are rows
+    ``i * k`` to ``i * k + k - 1`` of a forward of ``k * batch_rows`` rows, and each copy takes its row's ReFT."""
     calls = [0]
     one_by_one, stacked = _stackable(entries)
 
     def apply(hidden: torch.Tensor) -> None:
+        copies = _copies(hidden.shape[0], batch_rows)
         for item, rows, positions in one_by_one:
-            where = (rows, positions)
+            where = expanded(rows, positions, copies)
             intervened = do_intervention(hidden[where], None, item.intervention, None)
             hidden[where] = intervened.to(hidden.dtype)
         if stacked is not None:
-            stacked.apply(hidden)
+            stacked.apply(hidden, copies)
 
     def hook(module, args, kwargs, output=None):
         first = calls[0] == 0
@@ -92,12 +99,28 @@ def register_hook(module: nn.Module, pre: bool, entries: list, on_prompt: bool):
     return module.register_forward_hook(hook, with_kwargs=True)
 
 
+def _copies(found: int, batch_rows: int) -> int:
+    """How many copies of each row a forward of ``found`` rows holds (1 without beams or return sequences)."""
+    if found % batch_rows:
+        raise RuntimeError(f"generate ran a forward of {found} rows for a batch of {batch_rows}: expected a "
+                           "multiple (each row repeated in place, as beam search and num_return_sequences do)")
+    return found // batch_rows
+
+
+def expanded(rows: torch.Tensor, positions: torch.Tensor, copies: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[n, 1]`` rows and ``[n, m]`` positions of a batch, for a forward holding ``copies`` of each row."""
+    if copies == 1:
+        return rows, positions
+    spread = torch.arange(copies, device=rows.device)
+    return (rows * copies + spread).reshape(-1, 1), positions.repeat_interleave(copies, dim=0)
+
+
 def _stackable(entries: list) -> tuple[list, StackedLoreft | None]:
     """The entries to apply one by one, and the LoReFTs to apply together: those of the ReFTs whose every
     intervention on this module is pyreft's LoReFT with the identity activation (its default), a bias, and one
     dtype; only where two ReFTs or more are such (one ReFT keeps pyreft's own forward), and each stage's
     interventions act at as many positions per row (in the prompt, ``f1+l1`` and ``l1`` do; ``l2`` does not)."""
-    import pyreft  # optional: installed where ReFTs are served
+    pyreft = import_pyreft("pyvene_dist.serving serves ReFTs")
 
     def stackable(intervention) -> bool:
         return (type(intervention) is pyreft.LoreftIntervention and isinstance(intervention.act_fn, LinearActivation)
@@ -127,22 +150,23 @@ class StackedLoreft:
 
     def __init__(self, stages: list):
         self.stages = stages
-        self.weights: list | None = None
+        self.weights: dict[int, list] = {}  # copies of each row -> the stages' gathered weights
 
-    def _stack(self, stage: list) -> tuple:
-        rows = torch.cat([rows for _, rows, _ in stage])
-        positions = torch.cat([positions for _, _, positions in stage])
+    def _stack(self, stage: list, copies: int) -> tuple:
+        where = [expanded(rows, positions, copies) for _, rows, positions in stage]
+        rows = torch.cat([rows for rows, _ in where])
+        positions = torch.cat([positions for _, positions in where])
         parts = [(intervention.rotate_layer.weight, intervention.learned_source.weight.T,
-                  intervention.learned_source.bias, len(rows)) for intervention, rows, _ in stage]
+                  intervention.learned_source.bias, len(rows)) for (intervention, _, _), (rows, _) in zip(stage, where)]
         rotation = torch.cat([r.expand(n, *r.shape) for r, _, _, n in parts])
         source = torch.cat([w.expand(n, *w.shape) for _, w, _, n in parts])
         bias = torch.cat([b.expand(n, 1, *b.shape) for _, _, b, n in parts])
         return rows, positions, rotation, source, bias
 
-    def apply(self, hidden: torch.Tensor) -> None:
-        if self.weights is None:
-            self.weights = [self._stack(stage) for stage in self.stages]
-        for rows, positions, rotation, source, bias in self.weights:
+    def apply(self, hidden: torch.Tensor, copies: int = 1) -> None:
+        if copies not in self.weights:
+            self.weights[copies] = [self._stack(stage, copies) for stage in self.stages]
+        for rows, positions, rotation, source, bias in self.weights[copies]:
             base = hidden[rows, positions]
             rotated = torch.bmm(base.to(rotation.dtype), rotation)
             learned = torch.baddbmm(bias, base, source)
