@@ -13,21 +13,28 @@ The interventions are saved once, in pyreft's format (``ReftModel.save``), to ``
 (default ``OUTPUT_DIR/reft``), with ``train_settings.json`` beside them (the model, layers, positions,
 shared weights, dtype): ``docs/examples/serve_reft.py --interventions OUTPUT_DIR/reft`` answers with them.
 Examples are cut to ``--model_max_length`` tokens (default: the model's ``max_position_embeddings``).
+``--quantize 4bit`` loads the base as QLoRA does (NF4, bitsandbytes), packed in ``--dtype`` so that FSDP2 shards it.
 ``--resume_from_checkpoint OUTPUT_DIR/checkpoint-N`` (or ``True``: the newest in ``--output_dir``) continues a run
-that saved checkpoints (``--save_strategy steps --save_steps N``) where it stopped.
+that saved checkpoints (``--save_strategy steps --save_steps N``) where it stopped; each checkpoint holds its own
+``train_settings.json``, and a resume with other ``--model``, ``--layers``, ``--positions``, ``--share_weights``,
+``--component``, ``--intervention`` or ``--rank`` stops, naming the flag, the checkpoint's value and the one given.
 
 A run that would train nothing stops before the first step, naming the flag or the example: ``--positions`` that
 pyreft reads as no position (``x3``, ``f0+l0``), ``--rank 0``, no examples, an example without a string
 ``output``, every answer cut off by ``--model_max_length``, positions beyond every prompt (pyreft caps each
-of first and last at half the prompt and repeats the first answer token's position for the rest), or first
-positions only (``fN``) on the last layer alone (its output there reaches no answer). Examples that lose their
-answer or have their positions capped while others do not are named in a warning, as is an intervention for the
-first positions on the last layer among others.
+of first and last at half the prompt and repeats the first answer token's position for the rest), first
+positions only (``fN``) on the last layer alone (its output there reaches no answer), ``--max_steps 0`` or no
+epochs, or a resume from a checkpoint that trained them already. Examples that lose their answer or have their
+positions capped while others do not are named in a warning, as is an intervention for the first positions on the
+last layer among others (once, from the first rank). A mistake in the flags is one line, ``train_reft.py: error:
+...``, and a hint. The checks of HF's flags, the launcher and the folders are in ``trainer_flags.py`` beside this
+script; launched as several processes on a machine with no GPU, the ranks train as one world with or without
+``--use_cpu`` (``pyvene_dist.fixes.hf_trainer``), and ``--deepspeed`` without a launcher runs as one process.
 """
 
 import argparse
-import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -44,9 +51,14 @@ import pyreft  # noqa: E402
 import transformers  # noqa: E402
 from pyvene_dist import flags  # noqa: E402
 from pyvene_dist.gather import gathered  # noqa: E402
-from serve_reft import SETTINGS, answer, positions_counts  # noqa: E402  (this folder)
+from serve_reft import SETTINGS, answer, check_positions_fit, positions_counts  # noqa: E402  (this folder)
+from trainer_flags import (ArgumentParser, RecordSettings, check_steps, check_steps_left,  # noqa: E402
+                           check_trained_after_resume, check_writable, checkpoint_to_resume, closest_flag,
+                           leaving_the_process_group_on_error, prepare_deepspeed, trained_steps)
 
 logger = transformers.utils.logging.get_logger("train_reft")
+#: ``--quantize``'s values: bitsandbytes' 4-bit and 8-bit bases (docs/quantized.md).
+QUANTIZATIONS = ("4bit", "8bit")
 
 
 @dataclasses.dataclass
@@ -62,6 +74,9 @@ class ReftArguments:
     rank: int = dataclasses.field(default=4, metadata={"help": "low_rank_dimension, at least 1"})
     intervention: str = dataclasses.field(default="LoreftIntervention", metadata={"help": "a pyreft class"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "of the model and the interventions"})
+    quantize: str = dataclasses.field(default=None, metadata={
+        "help": "load the base in 4bit (NF4, computed and packed in --dtype, as QLoRA and FSDP-QLoRA load it) or 8bit "
+                "(bitsandbytes); the interventions train in --dtype"})
     save_dir: str = dataclasses.field(default=None, metadata={"help": "default: OUTPUT_DIR/reft"})
     prompt: str = dataclasses.field(default=None, metadata={"help": "after training, answer it greedily and "
                                                                     "save the answer to OUTPUT_DIR/answer.pt"})
@@ -76,14 +91,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def parse_arguments(argv=None):
-    parser = transformers.HfArgumentParser((ReftArguments, transformers.TrainingArguments), description=__doc__,
-                                           formatter_class=HelpFormatter)
-    reft_args, training_args = parser.parse_args_into_dataclasses(argv)
+    parser = ArgumentParser((ReftArguments, transformers.TrainingArguments), prog="train_reft.py",
+                            description=__doc__, formatter_class=HelpFormatter)
+    given, _ = parser.parse_known_args(argv)
+    prepare_deepspeed(parser, given.deepspeed)  # before the TrainingArguments, which join DeepSpeed's group
+    reft_args, training_args, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:  # HF raised a ValueError with a traceback
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{closest_flag(parser, unknown)}")
     if not hasattr(pyreft, reft_args.intervention):
         parser.error(f"--intervention {reft_args.intervention!r} is not a pyreft class (LoreftIntervention, ...)")
     reft_args.dtype = flags.dtype_name(reft_args.dtype, program="train_reft.py")  # bf16, as before, still works
     if reft_args.dtype not in flags.DTYPES:  # float64 failed in the first step: "double != float"
         parser.error(f"--dtype {reft_args.dtype!r}: expected one of {', '.join(flags.DTYPES)}")
+    if reft_args.quantize not in (None, *QUANTIZATIONS):
+        parser.error(f"--quantize {reft_args.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if reft_args.quantize and importlib.util.find_spec("bitsandbytes") is None:
+        parser.error(f"--quantize {reft_args.quantize}: needs bitsandbytes, which is not installed "
+                     "(pip install -e '.[quantize]')")
     if ";" in reft_args.layers:  # the separator of pyreft's examples, and of this script before
         warnings.warn(f"--layers {reft_args.layers!r}: separate layers with commas, as "
                       f"{reft_args.layers.replace(';', ',')}; ';' will stop working", FutureWarning, stacklevel=2)
@@ -100,43 +124,80 @@ def parse_arguments(argv=None):
     if reft_args.model_max_length is not None and reft_args.model_max_length < 2:
         parser.error(f"--model_max_length {reft_args.model_max_length}: an example needs at least one prompt and "
                      "one answer token; give at least 2, or leave it out for the model's length")
+    if problem := flags.model_folder_problem(reft_args.model):
+        parser.error(f"--model {problem}")
+    check_steps(parser, training_args)
     training_args.resume_from_checkpoint = checkpoint_to_resume(parser, training_args)
+    if training_args.resume_from_checkpoint:
+        check_steps_left(parser, training_args)
+        check_resume(parser, reft_args, training_args.resume_from_checkpoint)
     return reft_args, training_args
 
 
-def checkpoint_to_resume(parser, training_args):
-    """``--resume_from_checkpoint`` as HF Trainer reads ``train(resume_from_checkpoint=...)``: a checkpoint folder,
-    or ``True`` (also ``last``) for the newest ``checkpoint-N`` in ``--output_dir``; None to start afresh. A
-    folder that is not there, or no checkpoint to take the newest of, stops here, before any model is loaded."""
-    from transformers.trainer_utils import get_last_checkpoint
+#: The flags that decide which interventions a checkpoint holds, by their names in its train_settings.json.
+RESUMED = ("model", "layers", "positions", "share_weights", "component", "intervention", "rank")
 
-    given = training_args.resume_from_checkpoint
-    if given is None or given.lower() in ("false", "none"):
-        return None
-    if given.lower() in ("true", "last"):
-        found = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if found is None:
-            parser.error(f"--resume_from_checkpoint {given}: --output_dir {training_args.output_dir} holds no "
-                         "checkpoint-N folder to resume from; name a checkpoint folder, or leave the flag out")
-        return found
-    if not os.path.isdir(given):
-        parser.error(f"--resume_from_checkpoint {given}: no such folder; name a checkpoint folder that a run saved "
-                     "(OUTPUT_DIR/checkpoint-N), or pass True for the newest one in --output_dir")
-    if not os.path.isfile(os.path.join(given, "trainer_state.json")):
-        parser.error(f"--resume_from_checkpoint {given}: not a checkpoint (no trainer_state.json in it); name a "
-                     "checkpoint-N folder that HF Trainer saved, or pass True for the newest one in --output_dir")
-    return given
+
+def check_resume(parser, reft_args, checkpoint) -> None:
+    """Stop a resume whose flags build other interventions than the checkpoint's, naming each flag, the checkpoint's
+    value and the one given: LoReFT's weights loaded into DiReFT without a word, another rank or layers failed with
+    bare ``size mismatch`` or ``Missing key(s)`` errors. ``--dtype`` may change (the weights are cast). A checkpoint
+    without train_settings.json (an earlier script's) is checked as it loads (``main``)."""
+    path = os.path.join(checkpoint, SETTINGS)
+    if not os.path.isfile(path):
+        return
+    with open(path) as file:
+        saved = json.load(file)
+    try:
+        given = train_settings(reft_args, transformers.AutoConfig.from_pretrained(reft_args.model))
+    except OSError as error:  # a hub name that is neither cached nor reachable
+        parser.error(f"--model {reft_args.model}: {error}")
+    except ValueError as error:  # layers outside the model
+        parser.error(str(error))
+    model = str(saved.get("model"))
+    moved = os.path.isabs(model) and not os.path.exists(model)  # its interventions' shapes are checked as they load
+    if moved or os.path.exists(model) and os.path.realpath(model) == os.path.realpath(given["model"]):
+        given["model"] = model
+    first, last = positions_counts(given["positions"])
+    differ = [name for name in RESUMED if name in saved and saved[name] != given[name]
+              and not (name == "positions" and positions_counts(saved[name]) == (first, last))
+              and not (name == "share_weights" and not (first and last))]
+    if differ:
+        parser.error(f"--resume_from_checkpoint {checkpoint} was trained with {_flags(saved, differ)} (its "
+                     f"{SETTINGS}), not {_flags(given, differ)}; resume with the flags it was trained with, or start "
+                     "afresh without --resume_from_checkpoint")
+
+
+def _flags(settings: dict, names: list[str]) -> str:
+    return " ".join(f"--{name} {','.join(map(str, value)) if isinstance(value, list) else value}"
+                    for name in names for value in [settings[name]])
 
 
 def load_model(reft_args):
     """The tokenizer and model from ``--model``. Called after ``TrainingArguments`` exist: with a ZeRO-3
     config they have set up DeepSpeed, and ``from_pretrained`` loads each parameter partitioned (zero.Init)."""
-    length = reft_args.model_max_length or max_positions(transformers.AutoConfig.from_pretrained(reft_args.model))
+    try:  # a hub name that is neither cached nor reachable: HF's message names no flag
+        config = transformers.AutoConfig.from_pretrained(reft_args.model)
+    except OSError as error:
+        raise SystemExit(f"train_reft.py: --model {reft_args.model}: {error}") from None
+    length = reft_args.model_max_length or max_positions(config)
     tokenizer = transformers.AutoTokenizer.from_pretrained(reft_args.model, model_max_length=length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(reft_args.model, dtype=getattr(torch, reft_args.dtype))
+    quantized = {"quantization_config": quantization(reft_args)} if reft_args.quantize else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(reft_args.model, dtype=getattr(torch, reft_args.dtype),
+                                                              **quantized)
     return tokenizer, model
+
+
+def quantization(reft_args) -> transformers.BitsAndBytesConfig:
+    """``--quantize``: 4-bit NF4 computing in ``--dtype`` and packed in it, so that FSDP2 shards the packed weights
+    and each rank reads and quantizes only its share (docs/loading.md); or 8-bit (one process, DDP, ZeRO)."""
+    if reft_args.quantize == "8bit":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    dtype = getattr(torch, reft_args.dtype)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                           bnb_4bit_quant_storage=dtype)
 
 
 def max_positions(config) -> int:
@@ -156,8 +217,8 @@ def interventions_per_layer(reft_args) -> int:
     return 2 if first and last and not reft_args.share_weights else 1
 
 
-def chosen_layers(reft_args, model) -> list[int]:
-    count = model.config.num_hidden_layers
+def chosen_layers(reft_args, config) -> list[int]:
+    count = config.num_hidden_layers
     layers = list(range(count)) if reft_args.layers == "all" else [int(n) for n in reft_args.layers.split(",")]
     if not all(0 <= layer < count for layer in layers):
         raise ValueError(f"--layers {reft_args.layers!r}: the model has layers 0 to {count - 1}")
@@ -166,7 +227,7 @@ def chosen_layers(reft_args, model) -> list[int]:
 
 def build_reft_model(reft_args, model):
     """``add_bias``: NoReFT reads it with no default (``KeyError: 'add_bias'``); the other classes take and ignore it."""
-    layers = chosen_layers(reft_args, model)
+    layers = chosen_layers(reft_args, model.config)
     intervention = getattr(pyreft, reft_args.intervention)
     reft_config = pyreft.ReftConfig(representations=[
         {"layer": layer, "component": reft_args.component, "low_rank_dimension": reft_args.rank,
@@ -242,7 +303,7 @@ def check_last_layer(reft_args, model) -> None:
     the values it was built with (grad_norm 0 for it)."""
     first, last = positions_counts(reft_args.positions)
     top = model.config.num_hidden_layers - 1
-    layers = chosen_layers(reft_args, model)
+    layers = chosen_layers(reft_args, model.config)
     if not first or top not in layers or (last and reft_args.share_weights):
         return
     what = (f"--positions {reft_args.positions} on the model's last layer ({top}): its output at the first prompt "
@@ -255,43 +316,20 @@ def check_last_layer(reft_args, model) -> None:
 
 
 def warn(message: str) -> None:
-    logger.warning(f"train_reft.py: {message}")
-    warnings.warn(message, UserWarning, stacklevel=2)
+    """Once, from the first rank (every rank finds the same): the README's two-rank run said it four times. Shown with
+    the line of ``main`` that found it."""
+    if os.environ.get("RANK", "0") == "0":
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _some(numbers: list[int]) -> str:
     return ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
 
 
-def unwritable(flag: str, folder: str) -> str | None:
-    """Why ``folder`` cannot take the run's files, naming ``flag``; None where it can. Checked at once, rather than
-    after training, with a bare ``open file failed with strerror: Operation not permitted`` that names no file."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        return f"{flag} {folder} cannot be written ({type(error).__name__}: {error.strerror or error})"
-    return None
-
-
-def check_writable(training_args, folders: list[tuple[str, str]]) -> None:
-    """Stop when a folder the run saves to cannot be written. Every rank checks its own (a node's disk may be
-    read-only on one node) and, in a run of several, all stop together naming each rank that cannot write: one
-    rank leaving alone left the others waiting in their first collective."""
-    problems = [problem for flag, folder in folders if (problem := unwritable(flag, folder))]
-    if training_args.world_size > 1:
-        everyone = [None] * training_args.world_size
-        torch.distributed.all_gather_object(everyone, problems)
-        problems = [f"rank {rank}: {problem}" for rank, found in enumerate(everyone) for problem in found]
-    if problems:
-        raise SystemExit(f"train_reft.py: {'; '.join(problems)}; choose a folder this process may create files in")
-
-
-def train_settings(reft_args, model) -> dict:
-    """What serve_reft.py needs to answer as this model does, saved beside the interventions."""
+def train_settings(reft_args, config) -> dict:
+    """What serve_reft.py needs to answer as this model does, saved beside the interventions and in each checkpoint."""
     path = reft_args.model
-    return {"model": os.path.abspath(path) if os.path.isdir(path) else path, "layers": chosen_layers(reft_args, model),
+    return {"model": os.path.abspath(path) if os.path.isdir(path) else path, "layers": chosen_layers(reft_args, config),
             "positions": reft_args.positions, "share_weights": reft_args.share_weights, "dtype": reft_args.dtype,
             "component": reft_args.component, "intervention": reft_args.intervention, "rank": reft_args.rank}
 
@@ -304,6 +342,8 @@ def main(argv=None):
                                    ("--save_dir" if reft_args.save_dir else "--output_dir", save_dir)])
     transformers.set_seed(training_args.seed)  # every process builds the same interventions
     tokenizer, model = load_model(reft_args)
+    if reft_args.prompt is not None:  # answered after training: checked before it
+        check_positions_fit(reft_args.positions, tokenizer, reft_args.prompt, program="train_reft.py")
     reft_model = build_reft_model(reft_args, model)
     reft_model.print_trainable_parameters()
     check_last_layer(reft_args, model)
@@ -315,7 +355,19 @@ def main(argv=None):
     check_training_data(reft_args, data_module, tokenizer, model)
     trainer = pyreft.ReftTrainerForCausalLM(model=reft_model, processing_class=tokenizer, args=training_args,
                                             **data_module)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.add_callback(RecordSettings(train_settings(reft_args, model.config)))
+    resumed = training_args.resume_from_checkpoint
+    try:
+        trainer.train(resume_from_checkpoint=resumed)
+    except RuntimeError as error:  # a checkpoint without train_settings.json (check_resume), of other interventions
+        if not training_args.resume_from_checkpoint or "Error(s) in loading state_dict" not in str(error):
+            raise
+        raise SystemExit(f"train_reft.py: --resume_from_checkpoint {training_args.resume_from_checkpoint} holds other "
+                         f"interventions than these flags build ({str(error).splitlines()[-1].strip()[:300]}); resume "
+                         "with the --model, --layers, --positions, --share_weights, --intervention and --rank it was "
+                         "trained with") from None
+    if resumed:
+        check_trained_after_resume(trainer, resumed, trained_steps(resumed))
     trainer.save_state()  # OUTPUT_DIR/trainer_state.json: the log, every logged loss included
 
     # Save once, in pyreft's format (the files save_to_hf_hub uploads). Every rank takes part: under
@@ -325,7 +377,7 @@ def main(argv=None):
         reft_model.save(save_dir if trainer.is_world_process_zero() else scratch, save_to_hf_hub=False)
     if trainer.is_world_process_zero():
         with open(os.path.join(save_dir, SETTINGS), "w") as file:
-            json.dump(train_settings(reft_args, model), file, indent=1)
+            json.dump(train_settings(reft_args, model.config), file, indent=1)
         logger.warning(f"interventions saved to {save_dir}")
 
     if reft_args.prompt is not None:  # every rank: under ZeRO-3 and FSDP, each forward gathers the weights
@@ -342,20 +394,6 @@ def main(argv=None):
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-
-@contextlib.contextmanager
-def leaving_the_process_group_on_error():
-    """Leave the process group HF Trainer joined when the run stops with an error (a refusal such as an unwritable
-    folder on one rank), as ``main`` does at its end: gloo's threads otherwise outlive the group and abort the
-    process ("terminate called without an active exception", exit -6 where exit 1 was meant). No barrier here:
-    another rank may never come to it."""
-    try:
-        yield
-    except BaseException:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        raise
 
 
 if __name__ == "__main__":
