@@ -24,6 +24,11 @@ MOVED = MappingProxyType({
     "pyvene_dist.testing.registry": "pyvene_dist.testing.strategies",
     "pyvene_dist.testing.tensor_parallel": "pyvene_dist.testing.mesh_runners",
     "pyvene_dist.testing.quantized": "pyvene_dist.testing.quantized_cases",
+    # the version guard, one subpackage (issue 51)
+    "pyvene_dist._versions": "pyvene_dist.versions.guard",
+    "pyvene_dist._fingerprints": "pyvene_dist.versions.forms",
+    "pyvene_dist._installed": "pyvene_dist.versions.installed",
+    "pyvene_dist._fingerprints_table": "pyvene_dist.versions.table",
 })
 #: The folder of each package that holds its old names.
 FOLDER = "_old_names"

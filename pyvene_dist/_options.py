@@ -48,7 +48,7 @@ class Option:
         return switch(self.variable, self.default, environ) if value is None else value
 
 
-#: Patch releases outside those the fixes were checked on, with a warning (``_versions``).
+#: Patch releases outside those the fixes were checked on, with a warning (``versions``).
 ALLOW_UNSUPPORTED = Option("allow_unsupported", "PYVENE_DIST_ALLOW_UNSUPPORTED", False)
 
 

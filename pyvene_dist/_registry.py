@@ -13,8 +13,9 @@
 - ``APPLIED`` (``Applied``): whether patched, and the names of the fixes applied.
 - ``OPTIONS`` (``CurrentOptions``): the ``Options`` ``patch()`` resolved, which the fixes read at run time.
 
-``Fix.patch`` is handed the undo log and the import hooks; the fixes' code reads ``MODELS``, ``APPLIED`` and
-``OPTIONS``. This is the one module of pyvene_dist that holds mutable module state.
+``Fix.patch`` is handed the undo log and the import hooks; the fixes' code reads ``MODELS`` and ``OPTIONS``, and
+asks whether a fix is applied through ``applied(name, by=FIX)``, which answers only for the fixes the asking
+record declares (``requires``, ``after``). This is the one module of pyvene_dist that holds mutable module state.
 """
 
 from __future__ import annotations
@@ -257,6 +258,17 @@ class CurrentOptions:
 
     def __init__(self) -> None:
         self.current: Options | None = None
+
+
+def applied(name: str, *, by: Any) -> bool:
+    """Whether the fix ``name`` is applied, asked by the fix whose record is ``by`` (its ``FIX``): its own name, or
+    one its record names in ``requires`` or ``after``. Another is refused (``FixError`` naming both): code that acts
+    only where another fix is applied must be applied after it, and ``exclude=`` must leave that code's use of it
+    out with it (``fsdp`` ran ``consistency``'s check with ``consistency`` excluded)."""
+    if name != by.name and name not in by.requires and name not in by.after:
+        raise FixError(f"the fix {by.name!r} asks whether {name!r} is applied, which its record does not declare: "
+                       f"requires={by.requires!r}, after={by.after!r}; name {name!r} in its after")
+    return name in APPLIED
 
 
 def restore_all() -> None:

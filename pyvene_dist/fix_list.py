@@ -2,10 +2,10 @@
 on, and whether the functions it depends on are unchanged here; ``python -m pyvene_dist.fix_list --record`` records
 this environment's forms of those functions as known to work.
 
-Everything comes from the records (``pyvene_dist.fixes``) and the table of known forms (``_fingerprints``): the
+Everything comes from the records (``pyvene_dist.fixes``) and the table of known forms (``versions.forms``): the
 summary is the first paragraph of the fix module's docstring, "applied" is what ``patch()`` with its defaults would
 do in this environment, "checked on" the releases recorded with the forms of every function the fix depends on
-(``_fingerprints.checked_on``), and "fingerprint unchanged" says that each of those functions has a known form here.
+(``versions.forms.checked_on``), and "fingerprint unchanged" says that each of those functions has a known form here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import dataclasses
 import importlib
 import json
 
-from . import _fingerprints, _installed, _versions
-from .fixes import fixes, groups, upstreamed
+from .versions import forms, guard, installed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +44,17 @@ def summary(module: str) -> str:
 
 
 def rows() -> list[Row]:
+    # The fixes import pyvene, which prints on import: imported when the command runs, inside __main__'s redirect
+    # of standard output (tests/cli/test_cli.py), never when the command line is.
+    from .fixes import fixes, groups, upstreamed
+
     records = fixes()
     group_of = {name: group for group, names in groups().items() for name in names}
     carried = upstreamed(records)
-    floors = _versions.below_floor()
-    survey = _fingerprints.survey(records)  # one pass over every fix's functions
+    floors = guard.below_floor()
+    survey = forms.survey(records)  # one pass over every fix's functions
     changes = {fix.name: [change for change in survey.changed if change.fix == fix.name] for fix in records}
-    # patch() applies none while a fix it would apply has a changed function (``_versions``' rule)
+    # patch() applies none while a fix it would apply has a changed function (``versions.guard``' rule)
     refusing = sorted(name for name, found in changes.items() if found and name not in carried)
     found = []
     for fix in records:
@@ -60,10 +63,10 @@ def rows() -> list[Row]:
             problems = [f"functions of {', '.join(map(repr, refusing))} changed (see those fixes)"]
         reason = ("upstream carries it (its packages list it in FIXES)" if fix.name in carried
                   else "patch() refuses: " + "; ".join(problems) if problems else "")
-        checked = _fingerprints.checked_on(fix)
+        checked = forms.checked_on(fix)
         found.append(Row(fix.name, summary(fix.module), not reason, reason, checked,
                          "changed" if changes[fix.name] else "unchanged", [c.target for c in changes[fix.name]],
-                         {name: _installed.version(name) for name in checked}, group_of.get(fix.name)))
+                         {name: installed.version(name) for name in checked}, group_of.get(fix.name)))
     return found
 
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the fixes as JSON instead of text")
     parser.add_argument("--record", action="store_true",
                         help="add the forms of the functions the fixes depend on, as installed here, to the table of "
-                             f"known forms ({_fingerprints.TABLE.name}); run it after the suite passed here. A "
+                             f"known forms ({forms.TABLE.parent.name}/{forms.TABLE.name}); run it after the suite passed here. A "
                              "release is recorded by its version number (+git.<commit> where pip installed it from "
                              "git): a checkout installed from a folder carries its release's number, so record it "
                              "with --source and --release instead")
@@ -108,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     if (arguments.source is None) != (not releases):
         parser.error("--source and --release go together")
     if arguments.record:
-        _fingerprints.write(_fingerprints.record(fixes(), arguments.source, releases or None))
-        print(f"recorded in {_fingerprints.TABLE}")
+        from .fixes import fixes  # as in rows()
+
+        forms.write(forms.record(fixes(), arguments.source, releases or None))
+        print(f"recorded in {forms.TABLE}")
         return 0
     found = rows()
     print(to_json(found) if arguments.json else table(found))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.distributed import fsdp  # fsdp.fully_shard read at each call: patch() wraps it there
 
 
 def layer_classes(model: nn.Module) -> set[str]:
@@ -25,15 +26,11 @@ def layer_classes(model: nn.Module) -> set[str]:
 
 
 def fully_shard_model(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
-    # Here, not at the top: torch.distributed.fsdp imports torch.distributed.tensor (0.9 s), which every rank
-    # importing pyvene_dist.testing would pay for runners that never shard.
-    from torch.distributed.fsdp import fully_shard
-
     classes = layer_classes(model)
     if not classes:
         raise ValueError(f"{type(model).__name__} holds no module with _no_split_modules: name the layers to shard")
     for module in list(model.modules()):
         if type(module).__name__ in classes:
-            fully_shard(module, **fully_shard_kwargs)
-    fully_shard(model, **fully_shard_kwargs)
+            fsdp.fully_shard(module, **fully_shard_kwargs)
+    fsdp.fully_shard(model, **fully_shard_kwargs)
     return model

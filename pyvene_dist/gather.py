@@ -36,7 +36,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._optional import DEEPSPEED_INSTALL, OnFirstUse
+
+# Optional (the deepspeed extra), and imported only where it partitioned the parameters (never by patch()).
+deepspeed = OnFirstUse("deepspeed", DEEPSPEED_INSTALL)
+zero_partitions = OnFirstUse("deepspeed.runtime.zero.partition_parameters", DEEPSPEED_INSTALL)
+zero_utils = OnFirstUse("deepspeed.utils", DEEPSPEED_INSTALL)
 
 #: Seconds a rank waits for the others at a gather of split weights before refusing.
 ARRIVAL_TIMEOUT_S = 30.0
@@ -61,16 +68,13 @@ def held_whole(parameter: nn.Parameter) -> bool:
     """Whether this partitioned parameter is whole on every rank alike, with nothing to gather: ZeRO-3 keeps
     it whole from step to step (persistent, gathered after every step), or a ``GatheredParameters`` block
     around this one holds it (DeepSpeed refuses nested gathers of the same parameter)."""
-    from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR
-
-    kept = getattr(parameter, "ds_persist", False) or getattr(parameter, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) > 0
+    depth = getattr(parameter, zero_partitions.DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0)
+    kept = getattr(parameter, "ds_persist", False) or depth > 0
     return bool(kept) and whole_here(parameter)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (FSDP2, tensor parallel): this rank holds its shard only."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(tensor, DTensor)
 
 
@@ -86,8 +90,6 @@ def placed_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     so that ``load_state_dict`` copies it into the shard; anything else as it is."""
     if not is_sharded(parameter):
         return value
-    from torch.distributed.tensor import distribute_tensor
-
     return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements,
                              src_data_rank=None)
 
@@ -117,8 +119,6 @@ def gathered(model: nn.Module, *, modify: bool = False,
         if modify:
             _update_optimizer_masters(parameters)
         return
-    import deepspeed
-
     with deepspeed.zero.GatheredParameters(gather, modifier_rank=0 if modify else None):
         yield
         if modify:
@@ -162,7 +162,5 @@ def _update_optimizer_masters(parameters: list[nn.Parameter]) -> None:
     managed = [p for p in parameters if p.requires_grad and (hasattr(p, "_hp_mapping") or hasattr(p, "_z3_optimizer"))]
     if not managed:
         return
-    from deepspeed.utils import safe_set_full_fp32_param
-
     for parameter in managed:
-        safe_set_full_fp32_param(parameter, parameter.data.detach().float().clone())
+        zero_utils.safe_set_full_fp32_param(parameter, parameter.data.detach().float().clone())

@@ -73,10 +73,10 @@ def sweep_one(fix: str, timeout: float) -> dict:
 
 
 def environment() -> dict:
-    from pyvene_dist import _installed  # main() has put the checkout on sys.path
+    from pyvene_dist.versions import installed  # main() has put the checkout on sys.path
 
     names = ("torch", "transformers", "pyvene", "pyreft", "deepspeed", "accelerate")
-    versions = {name: found for name in names if (found := _installed.version(name)) is not None}
+    versions = {name: found for name in names if (found := installed.version(name)) is not None}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     return {"commit": commit.stdout.strip() or None, "date": now.date().isoformat(),

@@ -1,4 +1,4 @@
-"""The guard by what changed (``pyvene_dist._versions``, ``_fingerprints``): a release whose functions are as recorded
+"""The guard by what changed (``pyvene_dist.versions``: ``guard``, ``forms``): a release whose functions are as recorded
 is patched whatever its number, a changed function refuses its fix (and ``patch()``) before anything is applied,
 naming the function and the fix, pyreft's check comes at ``patch()`` rather than at ``import pyreft``, and the forms
 read from the files are those ``inspect`` gives for the imported functions.
@@ -38,12 +38,12 @@ def run(code: str, first_on_path: Path) -> str:
 
 def test_a_newer_release_with_the_same_functions_is_patched_with_one_note(monkeypatch, caplog):
     import pyvene_dist
-    from pyvene_dist import _installed, _versions
+    from pyvene_dist.versions import guard, installed
 
-    installed = _installed.version
+    real_version = installed.version
     newer = {"transformers": "5.99.0", "torch": "2.99.1", "pyvene": "0.1.9"}
-    monkeypatch.setattr(_installed, "version", lambda name: newer.get(name) or installed(name))
-    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(installed, "version", lambda name: newer.get(name) or real_version(name))
+    monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="pyvene_dist"), pyvene_dist.patched():
         assert pyvene_dist.is_patched()
     notes = [record for record in caplog.records if record.name == "pyvene_dist"]
@@ -65,13 +65,13 @@ def test_a_changed_function_refuses_every_fix_before_anything_is_applied_naming_
     relies on without wrapping it: the message names both, and ``exclude=`` the fixes it names patches the rest."""
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel
-    from pyvene_dist import _fingerprints_table, _versions
+    from pyvene_dist.versions import guard, table
 
     for target in ("pyvene.models.modeling_utils:gather_neurons", "torch.nn.functional:dropout"):
-        monkeypatch.setitem(_fingerprints_table.KNOWN, target, {"0123456789abcdef": ("0.0.1",)})
-    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+        monkeypatch.setitem(table.KNOWN, target, {"0123456789abcdef": ("0.0.1",)})
+    monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
     original = vars(BaseModel)["named_parameters"]
-    with pytest.raises(_versions.UnsupportedVersionError) as error:
+    with pytest.raises(guard.UnsupportedVersionError) as error:
         pyvene_dist.patch()
     message = str(error.value)
     assert ("the fix 'devices' depends on pyvene.models.modeling_utils:gather_neurons, whose source here has the "
@@ -104,7 +104,7 @@ def test_a_changed_pyreft_is_refused_at_patch_without_importing_it(tmp_path):
     out = run(f"""
         import sys, warnings
         import pyvene_dist
-        from pyvene_dist._versions import UnsupportedVersionError
+        from pyvene_dist.versions.guard import UnsupportedVersionError
         try:
             pyvene_dist.patch()
         except UnsupportedVersionError as error:
@@ -163,24 +163,23 @@ def _imported(target):
 def test_forms_read_from_the_files_are_those_of_the_imported_functions(from_bytecode):
     import pyreft  # noqa: F401 (its modules are read as the others)
 
-    from pyvene_dist import _fingerprints
-    from pyvene_dist._records import fingerprint
+    from pyvene_dist.versions import fingerprint, forms
     from pyvene_dist.fixes import fixes
 
-    targets = {target for fix in fixes() for target in _fingerprints.targets(fix)}
+    targets = {target for fix in fixes() for target in forms.targets(fix)}
     assert len(targets) > 60
-    found = {target.path: (_fingerprints.static_fingerprint(target, from_bytecode=from_bytecode),
+    found = {target.path: (forms.static_fingerprint(target, from_bytecode=from_bytecode),
                            fingerprint(_imported(target))) for target in targets}
     differ = [f"{path}: file {read}, imported {imported}" for path, (read, imported) in sorted(found.items())
               if read != imported]
     assert not differ, differ
-    index = _fingerprints.known_files()  # a file as recorded answers from the table: the same forms
-    assert all(_fingerprints.static_fingerprint(target, index=index) == fingerprint(_imported(target))
+    index = forms.known_files()  # a file as recorded answers from the table: the same forms
+    assert all(forms.static_fingerprint(target, index=index) == fingerprint(_imported(target))
                for target in targets)
 
 
 def test_a_target_is_found_as_the_import_system_would_without_importing_it(tmp_path, monkeypatch):
-    from pyvene_dist import _fingerprints
+    from pyvene_dist.versions import forms
 
     package = tmp_path / "guarded_package_for_pyvene_dist"
     (package / "sub").mkdir(parents=True)
@@ -189,23 +188,24 @@ def test_a_target_is_found_as_the_import_system_would_without_importing_it(tmp_p
     (package / "sub" / "mod.py").write_text("class A:\n    @staticmethod\n    @property\n    def f(x):\n"
                                             "        return x  # one\n\n    # after\n\ndef g():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    target = _fingerprints.Target(f"{package.name}.sub.mod:A.f")
-    assert _fingerprints.module_file(target.module) == str(package / "sub" / "mod.py")
+    target = forms.Target(f"{package.name}.sub.mod:A.f")
+    assert forms.module_file(target.module) == str(package / "sub" / "mod.py")
     expected = hashlib.sha256(b"@staticmethod\n@property\ndef f(x):\n    return x  # one\n").hexdigest()[:16]
-    assert _fingerprints.static_fingerprint(target, from_bytecode=False) == expected
-    assert _fingerprints.static_fingerprint(_fingerprints.Target(f"{package.name}.sub.mod:A.h")) == _fingerprints.ABSENT
-    assert _fingerprints.static_fingerprint(_fingerprints.Target(f"{package.name}.nothing:f")) is None
+    assert forms.static_fingerprint(target, from_bytecode=False) == expected
+    assert forms.static_fingerprint(forms.Target(f"{package.name}.sub.mod:A.h")) == forms.ABSENT
+    assert forms.static_fingerprint(forms.Target(f"{package.name}.nothing:f")) is None
     assert package.name not in sys.modules
 
 
 def test_the_table_is_one_generated_module_per_distribution_read_back_whole(tmp_path):
-    """``write`` puts each distribution's forms in a module of its own (``_fingerprints_table/forms_<name>.py``, none
+    """``write`` puts each distribution's forms in a module of its own (``table/forms_<name>.py``, none
     near 400 lines), and the files here are what it writes of the table they hold: generated, not edited."""
-    from pyvene_dist import _fingerprints, _fingerprints_table
+    from pyvene_dist.versions import forms, table
 
-    _fingerprints.write((_fingerprints.known(), _fingerprints.known_files()), tmp_path)
+    forms.write((forms.known(), forms.known_files()), tmp_path)
     written = sorted(path.name for path in tmp_path.glob("*.py"))
-    assert written == ["forms_pyreft.py", "forms_pyvene.py", "forms_torch.py", "forms_transformers.py"]
+    assert written == ["forms_accelerate.py", "forms_deepspeed.py", "forms_pyreft.py", "forms_pyvene.py", "forms_torch.py",
+                       "forms_transformers.py"]
     for name in written:
-        assert (tmp_path / name).read_text() == (_fingerprints.TABLE / name).read_text(), name
-    assert _fingerprints.known() is _fingerprints_table.KNOWN  # what tests monkeypatch is what patch() reads
+        assert (tmp_path / name).read_text() == (forms.TABLE / name).read_text(), name
+    assert forms.known() is table.KNOWN  # what tests monkeypatch is what patch() reads

@@ -170,7 +170,8 @@ def _code_owner(module: str, public: set[str]) -> str:
 def fix_import_problems(package: Path) -> list[str]:
     """Each import of a fix module (or of the fix-selection package) by another fix, or by a module of
     ``mechanisms``: a fix is its record and its wiring over ``mechanisms``; it may import only its own private
-    parts (``_<fix>_*.py``), and a fix of a group (a package under ``fixes/``) its group's private modules."""
+    parts (``_<fix>_*.py``), and a fix of a group (a package under ``fixes/``) its group's private modules; a group's
+    ``__init__`` imports its own fixes, to list them (``ALL``), as ``fixes/__init__.py`` lists every fix."""
     fixes_folder, mechanisms = package / "fixes", package / "mechanisms"
     selection = f"{package.name}.fixes"
     fix_modules = {_module_name(path, package): path for path in fixes_folder.rglob("*.py")
@@ -186,6 +187,8 @@ def fix_import_problems(package: Path) -> list[str]:
                 group = module.rpartition(".")[0] if path.name != "__init__.py" else module
                 if theirs == mine or (theirs == group and group != selection):
                     continue  # a fix and its private parts; a group's fix and the group's private modules
+                if path.name == "__init__.py" and target.rpartition(".")[0] == module:
+                    continue  # a group lists its fixes
             what = "the fix-selection package" if target == selection else f"the fix module {target}"
             problems.append(f"{path.relative_to(package.parent)}:{line}: {module} imports {what}")
     return problems
@@ -213,7 +216,7 @@ def test_a_fix_importing_another_fix_is_named(tmp_path):
     (package / "fixes/b.py").write_text("from ._b_part import x\n")
     (package / "mechanisms/shared.py").write_text("from ..fixes import a\n")
     (package / "fixes/group").mkdir()
-    (package / "fixes/group/__init__.py").write_text("from ._shared import x\n")
+    (package / "fixes/group/__init__.py").write_text("from ._shared import x\nfrom . import d, e\nfrom ..b import y\n")
     (package / "fixes/group/_shared.py").write_text("")
     (package / "fixes/group/d.py").write_text("from ._shared import x\nfrom . import e\nfrom ..b import y\n")
     (package / "fixes/group/e.py").write_text("")
@@ -222,7 +225,39 @@ def test_a_fix_importing_another_fix_is_named(tmp_path):
         "layered/fixes/a.py:7: layered.fixes.a imports the fix-selection package",
         "layered/fixes/c.py:1: layered.fixes.c imports the fix module layered.fixes.b",
         "layered/fixes/c.py:2: layered.fixes.c imports the fix module layered.fixes._b_part",
+        "layered/fixes/group/__init__.py:3: layered.fixes.group imports the fix module layered.fixes.b",
         "layered/fixes/group/d.py:2: layered.fixes.group.d imports the fix module layered.fixes.group.e",
         "layered/fixes/group/d.py:3: layered.fixes.group.d imports the fix module layered.fixes.b",
         "layered/mechanisms/shared.py:1: layered.mechanisms.shared imports the fix module layered.fixes.a",
     ]
+
+
+def shared_in_groups(package: Path) -> list[str]:
+    """Each private module of a group of fixes (a package under ``fixes/``) that is no fix's own part
+    (``_<fix>_*.py``): code its fixes share, which belongs in ``mechanisms/``, where code outside the group reaches
+    it without importing a fix group (``reft_folder`` read checkpoints through ``fixes.checkpoints._files``)."""
+    problems = []
+    for group in sorted(path.parent for path in (package / "fixes").glob("*/__init__.py")):
+        names = [path.stem for path in group.glob("*.py") if not path.stem.startswith("_")]
+        for path in sorted(group.glob("_*.py")):
+            if path.stem != "__init__" and not any(path.stem.startswith(f"_{name}_") for name in names):
+                problems.append(f"{path.relative_to(package.parent)} is shared by the group's fixes: move it to "
+                                f"{package.name}/mechanisms/")
+    return problems
+
+
+def test_a_group_of_fixes_keeps_no_shared_helper():
+    import pyvene_dist
+
+    problems = shared_in_groups(Path(pyvene_dist.__file__).parent)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_shared_helper_in_a_group_is_named(tmp_path):
+    package = tmp_path / "layered"
+    (package / "fixes/group").mkdir(parents=True)
+    for path in ("fixes/__init__.py", "fixes/_shared_at_top.py", "fixes/group/__init__.py", "fixes/group/a.py",
+                 "fixes/group/_a_part.py", "fixes/group/_files.py"):
+        (package / path).write_text("")
+    assert shared_in_groups(package) == [
+        "layered/fixes/group/_files.py is shared by the group's fixes: move it to layered/mechanisms/"]

@@ -80,3 +80,18 @@ def test_an_old_name_imports_the_new_module_with_a_warning_naming_it():
 def test_a_name_that_was_never_a_module_is_still_not_found():
     with pytest.raises(ModuleNotFoundError, match="pyvene_dist.no_such_module"):
         importlib.import_module("pyvene_dist.no_such_module")
+
+
+def test_no_helper_module_of_tests_or_benchmarks_shadows_another():
+    """tests/ and benchmarks/ import their helpers by bare name (``from sharded_folders import ...``), each folder
+    on ``sys.path``: two helpers of one name make the second import the first, as tests/sharded.py and
+    benchmarks/sharded.py did (CI failed collecting three test modules)."""
+    root = PACKAGE.parent
+    paths = collections.defaultdict(list)
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.stem not in SHARED | {"conftest"} and not path.stem.startswith("test_"):
+                paths[path.stem].append(path.relative_to(root).as_posix())
+    repeated = {name: found for name, found in paths.items() if len(found) > 1}
+    assert not repeated, "helper modules that shadow each other on sys.path: " + "; ".join(
+        f"{name}: {', '.join(found)}" for name, found in repeated.items())

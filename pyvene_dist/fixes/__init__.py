@@ -1,8 +1,11 @@
 """One module per failure mode, each declaring one record, ``FIX`` (see ``pyvene_dist._records.Fix``).
 
-A package here is a group of fixes (``checkpoints/``): each of its modules not named ``_*`` is a fix, and the
-package's name stands for all of them wherever a fix name is taken (``patch(only=, exclude=)``, a record's
-``requires`` and ``after``, a package's ``FIXES``), without the warning an old name (``RENAMED``) gives.
+``ALL`` lists the fix modules, by import, and ``GROUPS`` the groups of fixes: a package here (``checkpoints/``)
+whose ``ALL`` lists its fix modules the same way, and whose name stands for all of them wherever a fix name is
+taken (``patch(only=, exclude=)``, a record's ``requires`` and ``after``, a package's ``FIXES``), without the
+warning an old name (``RENAMED``) gives. A reader (or a tool) follows an import from here to each fix's module, and
+from its record to each wrapper; tests/test_fix_groups.py keeps the lists and the folders equal. Importing this
+package imports every fix (torch, pyvene, transformers); ``import pyvene_dist`` does not import it, ``patch()`` does.
 
 Everything else derives from the records: the order ``patch()`` applies them in (each after the fixes
 it ``requires``, otherwise by name; ``unpatch()`` restores in reverse), which of them upstream already
@@ -17,9 +20,7 @@ out a fix that every package in its ``upstream`` reports carrying (unless a fix 
 from __future__ import annotations
 
 import ast
-import importlib
 import importlib.util
-import pkgutil
 import sys
 import types
 import warnings
@@ -27,7 +28,19 @@ from pathlib import Path
 from typing import Iterable
 
 from .._records import Fix
-from .._versions import OPTIONAL
+from ..versions import OPTIONAL
+from . import (checkpoints, consistency, data_parallel, deepspeed, device_map, devices, evaluate_before_train, fast_path,
+               fsdp, gradient_checkpointing, hf_trainer, hooks, householder, locations, orthogonal, pair_indexing,
+               parameters, parametrizations, pyreft_trainer, representations, sharded_loading, tensor_parallel,
+               train_mode, weight_decay, wrapper_attributes, zero_grad)
+
+#: Every fix module here, by name; a group's are in its ``ALL``.
+ALL = (consistency, data_parallel, deepspeed, device_map, devices, evaluate_before_train, fast_path, fsdp,
+       gradient_checkpointing, hf_trainer, hooks, householder, locations, orthogonal, pair_indexing, parameters,
+       parametrizations, representations, sharded_loading, tensor_parallel, train_mode, weight_decay,
+       wrapper_attributes, zero_grad)
+#: Every group of fixes (a package here), by name.
+GROUPS = (checkpoints, pyreft_trainer)
 
 #: Fix names that changed, each with the names it stands for now: ``patch(only=..., exclude=...)`` and a
 #: package's ``FIXES`` take an old name as all of its new ones (``exclude=["trainer"]`` leaves out both halves),
@@ -42,30 +55,30 @@ def fixes() -> tuple[Fix, ...]:
     """Every fix, in the order ``patch()`` applies them: each after those it requires or names in ``after``,
     else by name."""
     found: dict[str, Fix] = {}
-    for module in _fix_modules():
-        name = module.rsplit(".", 1)[-1]
-        record = getattr(importlib.import_module(module), "FIX", None)
+    for module in fix_modules():
+        name = _short(module)
+        record = getattr(module, "FIX", None)
         if not isinstance(record, Fix) or record.name != name:
-            raise TypeError(f"{module} declares no FIX = Fix(name={name!r}, ...)")
+            raise TypeError(f"{module.__name__} declares no FIX = Fix(name={name!r}, ...)")
         if name in found or name in groups():
-            raise ValueError(f"{module}: the fix name {name!r} is taken (by {found[name].module if name in found else 'a group'})")
+            raise ValueError(f"{module.__name__}: the fix name {name!r} is taken (by "
+                             f"{found[name].module if name in found else 'a group'})")
         found[name] = record
     return _ordered(found)
 
 
 def groups() -> dict[str, tuple[str, ...]]:
     """Each group of fixes (a package here) by its name, with the names of the fixes it holds."""
-    return {module.name: tuple(sorted(sub.name for sub in pkgutil.iter_modules([str(Path(__path__[0]) / module.name)])
-                                      if not sub.name.startswith("_")))
-            for module in pkgutil.iter_modules(__path__) if module.ispkg and not module.name.startswith("_")}
+    return {_short(group): tuple(sorted(_short(module) for module in group.ALL)) for group in GROUPS}
 
 
-def _fix_modules() -> list[str]:
-    """The modules that declare a fix: each module here not named ``_*``, and each such module of a group."""
-    grouped = groups()
-    return [f"{__name__}.{module.name}.{name}" if module.ispkg else f"{__name__}.{module.name}"
-            for module in pkgutil.iter_modules(__path__) if not module.name.startswith("_")
-            for name in (grouped[module.name] if module.ispkg else (module.name,))]
+def fix_modules() -> tuple[types.ModuleType, ...]:
+    """The modules that declare a fix: ``ALL``, then each group's ``ALL``."""
+    return ALL + tuple(module for group in GROUPS for module in group.ALL)
+
+
+def _short(module: types.ModuleType) -> str:
+    return module.__name__.rsplit(".", 1)[-1]
 
 
 def _ordered(found: dict[str, Fix]) -> tuple[Fix, ...]:

@@ -11,9 +11,9 @@ import torch
 from torch.nn.modules import module as torch_module
 from transformers.activations import LinearActivation
 
-from .._records import fingerprint
+from ..versions import fingerprint
 
-#: The sources (``_records.fingerprint``) of pyreft 0.1.0's forwards that ``operations`` runs the operations of.
+#: The sources (``versions.fingerprint``) of pyreft 0.1.0's forwards that ``operations`` runs the operations of.
 WRITTEN_FROM = MappingProxyType({
     "LoreftIntervention.forward": "e9e62508e54a2da7",
     "LowRankRotateLayer.forward": "de17864e332a5964",

@@ -14,6 +14,8 @@ Run with nccl and with gloo.
 
 from __future__ import annotations
 
+from torch.nn.parallel.distributed import DistributedDataParallel
+
 from .._records import Fix, Site
 from ..mechanisms.same_interventions import check_same_interventions
 
@@ -26,5 +28,5 @@ def _wrap_ddp_init(wrapped, instance, args, kwargs):
 
 FIX = Fix(
     __name__,
-    sites=(Site("torch.nn.parallel.distributed:DistributedDataParallel.__init__", _wrap_ddp_init),),
+    sites=(Site((DistributedDataParallel, "__init__"), _wrap_ddp_init),),
 )

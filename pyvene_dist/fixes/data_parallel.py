@@ -44,9 +44,11 @@ import pyvene
 import torch
 from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 from pyvene.models.intervention_utils import InterventionState
+from torch.nn.parallel.data_parallel import DataParallel
+from torch.nn.parallel.replicate import replicate
 
 from .._records import Fix, Site
-from .._registry import APPLIED, MODELS
+from .._registry import MODELS, applied
 from ..mechanisms.batch_split import batch_size_of, chunk_sizes, split_forward_arguments
 
 
@@ -174,7 +176,7 @@ def removes_only_its_hooks() -> bool:
     """Whether pyvene removes only the hooks it registered: ``fixes.hooks`` is applied, or the pyvene imported
     carries it (``hooks`` in ``pyvene.FIXES``; ``patch()`` then leaves it off). Asked once per model
     (``DataParallelState``), not per replica and forward."""
-    return "hooks" in APPLIED or "hooks" in getattr(pyvene, "FIXES", ())
+    return applied("hooks", by=FIX) or "hooks" in getattr(pyvene, "FIXES", ())
 
 
 def _arguments(args, kwargs, *names):
@@ -208,11 +210,11 @@ def _to_device(value, device: torch.device):
 FIX = Fix(
     __name__,
     sites=(
-        Site("torch.nn.parallel.data_parallel:DataParallel.scatter", _wrap_scatter),
-        Site("torch.nn.parallel.data_parallel:DataParallel.replicate", _wrap_replicate),
-        Site("pyvene.models.intervenable_base:BaseModel.get_device", _wrap_get_device),
+        Site((DataParallel, "scatter"), _wrap_scatter),
+        Site((DataParallel, "replicate"), _wrap_replicate),
+        Site((BaseModel, "get_device"), _wrap_get_device),
     ),
     after=("hooks",),  # a replica's hook record is that fix's, where it is applied (removes_only_its_hooks)
     state=DataParallelState,
-    relies_on=("torch.nn.parallel.replicate:replicate",),  # its replicas' shared hook dicts and _is_replica mark
+    relies_on=(replicate,),  # its replicas' shared hook dicts and _is_replica mark
 )

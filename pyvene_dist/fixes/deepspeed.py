@@ -23,7 +23,8 @@ Run on the CPU (DS_ACCELERATOR=cpu, gloo) and on 2 x H200.
 
 from __future__ import annotations
 
-from pyvene.models.intervenable_base import IntervenableModel
+from pyvene.models import basic_utils, intervenable_base
+from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 
 from .._records import Fix, Site
 from ..mechanisms.partitioned_dtype import take_partitioned_dtype
@@ -80,11 +81,11 @@ def _load_entry(load):
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.basic_utils:count_parameters", _wrap_count_parameters, kind="replace",
-             reexported_in=("pyvene.models.intervenable_base",)),
-        Site("pyvene.models.intervenable_base:BaseModel.count_parameters", _wrap_model_count_parameters),
-        Site("pyvene.models.intervenable_base:IntervenableModel.__init__", _wrap_model_init),
-        Site("pyvene.models.intervenable_base:IntervenableModel.load", _load_entry, kind="entry"),
+        Site((basic_utils, "count_parameters"), _wrap_count_parameters, kind="replace",
+             reexported_in=(intervenable_base,)),
+        Site((BaseModel, "count_parameters"), _wrap_model_count_parameters),
+        Site((IntervenableModel, "__init__"), _wrap_model_init),
+        Site((IntervenableModel, "load"), _load_entry, kind="entry"),
         Site("pyreft.reft_model:count_parameters", _wrap_count_parameters,  # pyreft's own copy of pyvene's
              kind="replace"),
         Site("pyreft.reft_model:ReftModel.print_trainable_parameters", _wrap_print_trainable_parameters,

@@ -26,6 +26,7 @@ Run on the CPU with CPU and disk offload, and on 2 x H200 split by layers.
 from __future__ import annotations
 
 import torch
+from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 from torch import nn
 
 from .._records import Fix, Site
@@ -101,10 +102,9 @@ def _hook_execution_device(hook) -> torch.device | None:
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.intervenable_base:BaseModel.set_device", _wrap_set_device),
-        Site("pyvene.models.intervenable_base:BaseModel.to", _to, kind="add"),
-        Site("pyvene.models.intervenable_base:IntervenableModel._reconcile_stateful_cached_activations",
-             _wrap_reconcile),
+        Site((BaseModel, "set_device"), _wrap_set_device),
+        Site((BaseModel, "to"), _to, kind="add"),
+        Site((IntervenableModel, "_reconcile_stateful_cached_activations"), _wrap_reconcile),
     ),
     requires=("wrapper_attributes",),  # HF Trainer sees a split model through the wrapper's hf_device_map
     upstream=("pyvene",),

@@ -32,7 +32,6 @@ from pyvene.models.modeling_utils import (bhsd_to_bs_hd, bs_hd_to_bhsd, output_t
 from .._records import Fix, Site
 from ..mechanisms.indices import as_index
 
-_UTILS, _BASE = "pyvene.models.modeling_utils", "pyvene.models.intervenable_base"  # star-imported there
 
 
 def _check_signatures(options) -> None:
@@ -159,8 +158,10 @@ def scatter_neurons(
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_UTILS}:gather_neurons", _wrap_gather_neurons, kind="replace", reexported_in=(_BASE,)),
-        Site(f"{_UTILS}:scatter_neurons", _wrap_scatter_neurons, kind="replace", reexported_in=(_BASE,)),
+        Site((modeling_utils, "gather_neurons"), _wrap_gather_neurons, kind="replace",
+             reexported_in=(intervenable_base,)),  # star-imported there
+        Site((modeling_utils, "scatter_neurons"), _wrap_scatter_neurons, kind="replace",
+             reexported_in=(intervenable_base,)),
     ),
     upstream=("pyvene",),
     on_patch=_check_signatures,

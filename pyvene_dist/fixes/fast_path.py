@@ -45,21 +45,23 @@ import warnings
 from types import MappingProxyType
 
 import torch
-from pyvene.models.intervenable_base import IntervenableModelOutput
+from pyvene.models.intervenable_base import IntervenableModel, IntervenableModelOutput
 from pyvene.models.intervenable_modelcard import type_to_module_mapping
+from torch import nn
 from torch.nn.utils import parametrize
+from transformers.activations import LinearActivation
 
 from .._options import Option
-from .._records import Fix, Site, fingerprint
+from .._records import Fix, Site
 from .._registry import MODELS, OPTIONS
 from ..mechanisms.checkpoint_functions import checkpoint_functions
 from ..mechanisms.dtensors import is_tensor_parallel
 from ..mechanisms.parametrization_cache import cached_parametrizations
+from ..versions import fingerprint
 from ._fast_path_call import Call, Plan, Step, _call, _hook
 from ._fast_path_decoding import CompiledGenerationError, compiled_decoding  # noqa: F401 -- public here
 
-_BASE = "pyvene.models.intervenable_base"
-#: The sources (``_records.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
+#: The sources (``versions.fingerprint``) of pyvene 0.1.8's ``forward`` and ``generate``, which the entries
 #: do the work of for the plan's calls.
 WRITTEN_FROM = MappingProxyType({"forward": "743628762e997fbf", "generate": "c81e261a7029aa42"})
 
@@ -298,8 +300,8 @@ FIX = Fix(
     __name__,
     sites=(
         # a forward or generate other than 0.1.8's (WRITTEN_FROM) sends its calls to the general path (``_changed``)
-        Site(f"{_BASE}:IntervenableModel.forward", _forward_entry, kind="entry", any_form=True),
-        Site(f"{_BASE}:IntervenableModel.generate", _generate_entry, kind="entry", any_form=True),
+        Site((IntervenableModel, "forward"), _forward_entry, kind="entry", any_form=True),
+        Site((IntervenableModel, "generate"), _generate_entry, kind="entry", any_form=True),
     ),
     # Its wrap of IntervenableModel.forward (the general path) stays under the entry: applied first.
     after=("gradient_checkpointing",),
@@ -308,10 +310,10 @@ FIX = Fix(
     options=(Option("fast_path", "PYVENE_DIST_FAST_PATH", default=True),),
     # the plan calls what these do (Linear, Dropout, LinearActivation) when _call_impl would run only them
     relies_on=(
-        "torch.nn.modules.module:Module._call_impl",
-        "torch.nn.modules.linear:Linear.forward",
-        "torch.nn.modules.dropout:Dropout.forward",
-        "torch.nn.functional:dropout",
-        "transformers.activations:LinearActivation.forward",
+        nn.Module._call_impl,
+        nn.Linear.forward,
+        nn.Dropout.forward,
+        nn.functional.dropout,
+        LinearActivation.forward,
     ),
 )

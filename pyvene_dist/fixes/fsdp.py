@@ -53,16 +53,23 @@ Run on 2 x H200 (nccl) and on the CPU (gloo).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import warnings
 import weakref
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
 from torch import nn
+from torch.distributed import fsdp as fsdp_package
+from torch.distributed.fsdp import _fully_shard as fully_shard_package
+from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor  # fully_shard's module imports it anyway
 
 from .._records import Fix, Site
-from .._registry import APPLIED, MODELS
+from .._registry import MODELS, applied
 from ..quantized import refuse_unshardable
 from ..mechanisms.dtensors import forget_dtensor_parameters
 from ..mechanisms.own_dtype import compute_in_own_dtype
@@ -100,7 +107,7 @@ def pyvene_models(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def _check_same_interventions(module, group) -> None:
     """``consistency``'s check as FSDP wraps ``module``, where that fix is applied (``exclude=["consistency"]``
     leaves it out under FSDP as under DDP)."""
-    if "consistency" in APPLIED:
+    if applied("consistency", by=FIX):
         check_same_interventions(module, group)
 
 
@@ -122,7 +129,7 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
         forget_dtensor_parameters(model)
     mesh = mesh or _default_mesh(modules, parameters)
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    _place_and_reduce(models, _compute_device(modules, parameters), groups)
+    _place_and_reduce(models, _compute_device(modules, parameters, mesh), groups)
     _warn_of_mixed_parameters(modules, models)
     compute_dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
     if compute_dtype is not None:  # the policy computes the base in it, and leaves the interventions out
@@ -133,13 +140,13 @@ def _wrap_fully_shard(wrapped, instance, args, kwargs):
 
 #: How many of the sharded trainable parameters the warning names.
 NAMED_IN_WARNING = 3
+#: This package's folder: frames there are fixes' wraps, not the user's call.
+FIXES_FOLDER = os.path.dirname(os.path.abspath(__file__))
 
 
 def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module]) -> None:
     """Warn, once per pyvene model whose interventions train, where FSDP2 made trainable parameters outside them
     DTensors: a foreach or fused optimizer step fails on a param group that holds both kinds."""
-    from torch.distributed.tensor import DTensor  # fully_shard imported it
-
     states = {model: MODELS.of(model, FsdpState) for model in models}
     unwarned = [model for model, state in states.items() if not state.warned_of_mixed_parameters
                 and any(p.requires_grad for p in model.interventions.parameters())]
@@ -161,7 +168,17 @@ def _warn_of_mixed_parameters(modules: list[nn.Module], models: list[nn.Module])
             "interventions a param group of their own (pyvene_dist.optim.param_groups(model, weight_decay) does), or "
             "pass foreach=False; HF Trainer (pyreft's trainers too) does one or the other itself "
             "(docs/troubleshooting.md).",
-            MixedParameterGroupsWarning, stacklevel=3)  # the caller of fully_shard
+            MixedParameterGroupsWarning, stacklevel=_caller_of_fully_shard())
+
+
+def _caller_of_fully_shard() -> int:
+    """The ``stacklevel`` of ``_warn_of_mixed_parameters``' warning that names the caller of ``fully_shard``: the first
+    frame outside pyvene_dist's fixes, whose wraps and entries around ``fully_shard`` add a frame each (this fix's,
+    then ``sharded_loading``'s entry)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(FIXES_FOLDER):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _wrap_fsdp1_init(wrapped, instance, args, kwargs):
@@ -193,7 +210,12 @@ def _place_and_reduce(models: list[nn.Module], device: torch.device, groups: lis
     for group in groups:
         size *= dist.get_world_size(group)
     for model in models:
-        model.interventions.to(device)
+        if any(p.device.type == "meta" for p in model.interventions.parameters()):
+            # accelerate's cpu_ram_efficient_loading moved them there before sharding; its load (through
+            # fixes.sharded_loading) copies rank 0's weights into these tensors, keeping the hooks below
+            model.interventions.to_empty(device=device)
+        else:
+            model.interventions.to(device)
         reduced = MODELS.of(model, FsdpState).reduced
         for parameter in model.interventions.parameters():
             if parameter.requires_grad and not _averaged(parameter):
@@ -217,8 +239,6 @@ def _averager(groups: list, size: int):
 
 def _default_mesh(modules: list[nn.Module], ignored: set):
     """The mesh FSDP2 built when none was given: that of any parameter it now shards."""
-    from torch.distributed.tensor import DTensor  # some 0.9 s to import: where fully_shard ran, it is imported
-
     for module in modules:
         for parameter in module.parameters():
             if parameter not in ignored and isinstance(parameter, DTensor):
@@ -226,21 +246,24 @@ def _default_mesh(modules: list[nn.Module], ignored: set):
     raise RuntimeError("fully_shard left no parameter sharded; pyvene_dist cannot tell its process group")
 
 
-def _compute_device(modules: list[nn.Module], ignored: set) -> torch.device:
+def _compute_device(modules: list[nn.Module], ignored: set, mesh) -> torch.device:
+    """Where the sharded parameters are; for a model still on the meta device (a sharded load fills it after
+    ``fully_shard``, ``fixes.sharded_loading``), the mesh's device."""
     for module in modules:
         for parameter in module.parameters():
-            if parameter not in ignored:
+            if parameter not in ignored and parameter.device.type != "meta":
                 return parameter.device
-    raise RuntimeError("fully_shard left no parameter to tell the compute device from")
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 FIX = Fix(
     __name__,
     sites=(
-        Site("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard", _wrap_fully_shard,
-             reexported_in=("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp")),  # looked up in each
-        Site("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__",
-             _wrap_fsdp1_init),
+        Site((fully_shard_module, "fully_shard"), _wrap_fully_shard,
+             reexported_in=(fully_shard_package, fsdp_package)),  # looked up in each
+        Site((FullyShardedDataParallel, "__init__"), _wrap_fsdp1_init),
     ),
     # consistency: its check of the ranks' interventions, where that fix is applied. (A model's DTensor record,
     # reset when fully_shard makes some, is mechanisms.dtensors', whichever fixes read it.)

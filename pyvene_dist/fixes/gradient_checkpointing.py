@@ -48,6 +48,7 @@ import functools
 import weakref
 
 import torch
+from pyvene.models.intervenable_base import IntervenableModel
 
 from .._records import Fix, Site
 from .._registry import MODELS
@@ -55,7 +56,6 @@ from ..mechanisms.checkpoint_functions import APPLYING, checkpoint_functions
 from ..mechanisms.copy_on_write import writing_to_copies
 from ..mechanisms.hook_handles import Kept, keeping, setters_kept_alive
 
-_BASE = "pyvene.models.intervenable_base"
 
 
 class CheckpointingState:
@@ -193,8 +193,8 @@ def _wrap_output_validation(wrapped, instance, args, kwargs):
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_BASE}:IntervenableModel.forward", _wrap_forward),
-        Site(f"{_BASE}:IntervenableModel._output_validation", _wrap_output_validation),
+        Site((IntervenableModel, "forward"), _wrap_forward),
+        Site((IntervenableModel, "_output_validation"), _wrap_output_validation),
     ),
     requires=("hooks",),  # its kept setters are the hooks fix's record of pyvene's handles
     state=CheckpointingState,

@@ -13,6 +13,13 @@
    ``--ddp_timeout`` says. Where the arguments set another ``ddp_timeout`` than the default, it is given to the
    process group when the trainer is made (``torch.distributed``'s ``_set_pg_timeout``): the collective that
    waits raises after it, naming the operation that timed out.
+4. Launched as several processes (``torchrun``, ``deepspeed``) on a machine with no GPU, without ``use_cpu``,
+   HF's ``TrainingArguments`` join the launcher's gloo process group and then take each process for the only one
+   (accelerate reads the CPU as a world only with ``use_cpu``): every rank trained alone on all the data and wrote
+   the same files (``trainer_state.json`` corrupt), with exit 0. Where the process group has several ranks but the
+   arguments see one process on the CPU, they find their devices again as ``use_cpu=True`` does (the one device
+   there is the CPU), before the accelerator is built, with one warning on rank 0: the ranks train as one world,
+   as the same command does on GPUs. Arguments that still see one process are refused, naming ``--use_cpu``.
 
 All act on ``transformers.Trainer`` (pyreft's trainers and a plain Trainer alike) and only for models
 holding a pyvene model. pyreft's ``hf_trainer.diff`` does the same in ``ReftTrainer``, so with it upstream a
@@ -47,7 +54,7 @@ def _wrap_set_signature_columns(wrapped, instance, args, kwargs):
 def _wrap_create_accelerator(wrapped, instance, args, kwargs):
     arguments, reft = instance.args, holds_intervenable_model(instance.model)
     if reft:
-        _give_the_timeout_to_a_cpu_group(arguments)
+        _set_up_the_cpu_group(arguments)
     if arguments.ddp_find_unused_parameters is not None or not reft:
         return wrapped(*args, **kwargs)
     arguments.ddp_find_unused_parameters = False  # read only while the accelerator is built
@@ -55,6 +62,33 @@ def _wrap_create_accelerator(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         arguments.ddp_find_unused_parameters = None
+
+
+def _set_up_the_cpu_group(arguments) -> None:
+    _join_the_launched_world(arguments)
+    _give_the_timeout_to_a_cpu_group(arguments)
+
+
+def _join_the_launched_world(arguments) -> None:
+    """Where the launcher's process group has several ranks but ``arguments``, made without ``use_cpu`` on a machine
+    with no GPU, see one process on the CPU: ``use_cpu=True``, and the devices found again (a cached_property)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
+            or arguments.world_size != 1 or arguments.device.type != "cpu":
+        return
+    launched, rank = dist.get_world_size(), dist.get_rank()
+    arguments.use_cpu = True
+    arguments.__dict__.pop("_setup_devices", None)  # a cached_property: found again by .device
+    if arguments.device.type != "cpu" or arguments.world_size != launched:  # a release that finds them elsewhere
+        raise RuntimeError(
+            f"rank {rank}: {launched} processes were launched on a machine with no GPU, but these TrainingArguments "
+            f"see {arguments.world_size} process(es) even with use_cpu=True: every rank would train alone on all the "
+            "data and write the same files. Pass --use_cpu (TrainingArguments(use_cpu=True)) when making them")
+    if rank == 0:
+        logging.getLogger("pyvene_dist").warning(
+            "%d processes were launched on a machine with no GPU, and TrainingArguments made without use_cpu took "
+            "each for the only one (HF Trainer would train each alone on all the data); training them as one world "
+            "over gloo, as use_cpu=True does. Pass --use_cpu to have the arguments see the %d processes from the "
+            "start", launched, launched)
 
 
 def _give_the_timeout_to_a_cpu_group(arguments) -> None:

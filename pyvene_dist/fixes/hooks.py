@@ -43,13 +43,13 @@ never compute the probabilities, and transformers 5's eager attention drops them
 from __future__ import annotations
 
 import transformers
+from pyvene.models.intervenable_base import IntervenableModel
 
 from .._records import Fix, Site
 from .._registry import MODELS
 from ..mechanisms.copy_on_write import must_copy, writing_to_copies
 from ..mechanisms.hook_handles import HookState, keeping
 
-_BASE = "pyvene.models.intervenable_base"
 
 
 def _wrap_hook_factory(wrapped, instance, args, kwargs):
@@ -110,9 +110,9 @@ def _wrap_remove_forward_hooks(wrapped, instance, args, kwargs):
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_BASE}:IntervenableModel._intervention_getter", _wrap_hook_factory),
-        Site(f"{_BASE}:IntervenableModel._intervention_setter", _wrap_setter_factory),
-        Site(f"{_BASE}:IntervenableModel._remove_forward_hooks", _wrap_remove_forward_hooks, kind="replace"),
+        Site((IntervenableModel, "_intervention_getter"), _wrap_hook_factory),
+        Site((IntervenableModel, "_intervention_setter"), _wrap_setter_factory),
+        Site((IntervenableModel, "_remove_forward_hooks"), _wrap_remove_forward_hooks, kind="replace"),
     ),
     state=HookState,
     upstream=("pyvene",),

@@ -17,7 +17,7 @@ call is torch's. The backward is not itself differentiable (no double backward t
 
 Only pyvene's interventions get it: ``torch.linalg.householder_product`` stays torch's for every caller.
 The fix has no site and no code of its own: it is the ``orthogonal`` fix's choice of backward for its eager
-rotation, taken while this fix is applied (``APPLIED`` names it), so ``orthogonal`` names it in ``after``.
+rotation, taken while this fix is applied (``_registry.applied`` says so), so ``orthogonal`` names it in ``after``.
 The dependency runs one way: this record requires nothing, and applied without ``orthogonal`` it changes
 nothing (pyvene's rotations are then torch's). A user's own orthogonal layer in the same process keeps torch's
 forward and backward, double backward included.

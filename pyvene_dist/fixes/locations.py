@@ -50,6 +50,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from pyvene.models.intervenable_base import BaseModel
 
 from .._records import Fix, Site
 from ..mechanisms.dtype_checks import check_intervention_dtypes
@@ -279,7 +280,7 @@ def _tensor_or_as_is(locations, device: torch.device):
 
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel._input_validation", _wrap_input_validation),),
+    sites=(Site((BaseModel, "_input_validation"), _wrap_input_validation),),
     requires=("devices",),  # its tensor locations are indexed by the devices fix's gather/scatter
     upstream=("pyvene",),
 )

@@ -46,7 +46,7 @@ turns the graphs off.
 **Eager rotation.** Where no graph replays it, the rotation is torch's forward op for op, its Householder
 product given the closed-form backward (``mechanisms.householder_backward.closed_form_orthogonal``) where the
 ``householder`` fix is applied: that fix is this one's option of the eager backward, read at each forward
-(``APPLIED``), so this record names it in ``after``; it has no code or site of its own to require this one.
+(``_registry.applied``), so this record names it in ``after``; it has no code or site of its own to require this one.
 
 **Loads.** ``IntervenableModel.load`` builds a model whose state gives its rotations this fix's class
 (``BaseModel.__init__``); the fix adopts them again once the load returns (``_load_entry``), so that a load
@@ -58,12 +58,12 @@ from __future__ import annotations
 import weakref
 
 import torch
-from pyvene.models.intervenable_base import IntervenableModel
+from pyvene.models.intervenable_base import BaseModel, IntervenableModel
 from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
 
 from .._options import Option
 from .._records import Fix, Site
-from .._registry import APPLIED, MODELS, OPTIONS
+from .._registry import MODELS, OPTIONS, applied
 from ..mechanisms.householder_backward import closed_form_orthogonal
 from ..mechanisms.rotation_graphs import HALF, replayed
 
@@ -129,7 +129,7 @@ def adopt(module: torch.nn.Module, model=None) -> None:
                 previous.rotations.pop(submodule, None)
                 previous.graphs.pop(submodule, None)
             MODELS.add_part(submodule, submodule if model is None else model)
-            if FIX.name in APPLIED:
+            if applied(FIX.name, by=FIX):
                 _adopt(submodule, submodule if model is None else model)
 
 
@@ -144,7 +144,7 @@ class ReftOrthogonal(_Orthogonal):
     swapped in for an existing ``_Orthogonal``, never constructed."""
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        if FIX.name not in APPLIED:  # a copy made while patched, used after unpatch()
+        if not applied(FIX.name, by=FIX):  # a copy made while patched, used after unpatch()
             return super().forward(X)
         rotation = replayed_rotation(self, X) if OPTIONS.current.cuda_graphs else None
         if rotation is not None:
@@ -157,7 +157,7 @@ class ReftOrthogonal(_Orthogonal):
 def _eager(orthogonal: _Orthogonal, X: torch.Tensor) -> torch.Tensor:
     """torch's ``_Orthogonal.forward``, op for op; for the Householder map the product is the closed form's (the
     same forward call, another backward) where the ``householder`` fix is applied."""
-    if "householder" not in APPLIED or orthogonal.orthogonal_map != _OrthMaps.householder:
+    if not applied("householder", by=FIX) or orthogonal.orthogonal_map != _OrthMaps.householder:
         return _Orthogonal.forward(orthogonal, X)
     return closed_form_orthogonal(orthogonal, X)
 
@@ -181,12 +181,12 @@ def replayed_rotation(orthogonal, X: torch.Tensor) -> torch.Tensor | None:
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.intervenable_base:BaseModel.__init__", _wrap_base_model_init),
-        Site("pyvene.models.intervenable_base:IntervenableModel.load", _load_entry, kind="entry",
+        Site((BaseModel, "__init__"), _wrap_base_model_init),
+        Site((IntervenableModel, "load"), _load_entry, kind="entry",
              any_form=True),  # calls whatever load is, then adopts: upstream's load (saved_dtypes.diff) too
     ),
-    # householder: the eager rotation takes the closed-form backward where that fix is applied (APPLIED names
-    # it); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
+    # householder: the eager rotation takes the closed-form backward where that fix is applied (applied() says
+    # so); householder requires nothing, so the dependency runs one way. (The rotation stays eager in checkpointed
     # forwards, which mechanisms.checkpoint_functions tells, set where gradient_checkpointing is applied.)
     after=("householder",
            # saved_dtypes: its wrap of IntervenableModel.load, which this fix's entry stacks on (applied first)
@@ -196,5 +196,5 @@ FIX = Fix(
     options=(Option("cuda_graphs", "PYVENE_DIST_CUDA_GRAPHS", default=True),),
     on_patch=_configure,
     # ReftOrthogonal's eager path and graphs are its forward, op for op
-    relies_on=("torch.nn.utils.parametrizations:_Orthogonal.forward",),
+    relies_on=(_Orthogonal.forward,),
 )

@@ -29,6 +29,8 @@ are left as they are.
 
 from __future__ import annotations
 
+from pyvene.models.interventions import Intervention
+
 from .._records import Fix, Site
 
 
@@ -43,6 +45,6 @@ def first_of_the_old_pair(self, index):
 
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.interventions:Intervention.__getitem__", first_of_the_old_pair, kind="add"),),
+    sites=(Site((Intervention, "__getitem__"), first_of_the_old_pair, kind="add"),),
     upstream=("pyvene",),
 )

@@ -16,6 +16,8 @@ Trainer keeps parameters with ``requires_grad``, and ``get_trainable_parameters`
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import BaseModel
+
 from .._records import Fix, Site
 from ..mechanisms.module_methods import nn_module_method
 
@@ -23,8 +25,7 @@ from ..mechanisms.module_methods import nn_module_method
 _wrap_named_parameters = nn_module_method("named_parameters")
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel.named_parameters", _wrap_named_parameters,
-                kind="replace"),),
+    sites=(Site((BaseModel, "named_parameters"), _wrap_named_parameters, kind="replace"),),
     upstream=("pyvene",),
 )
 

@@ -26,6 +26,8 @@ the autograd engine's device thread), so entering and leaving the context is ser
 
 from __future__ import annotations
 
+from pyvene.models import intervenable_base, modeling_utils
+
 from .._records import Fix, Site
 from ..mechanisms.parametrization_cache import cached_parametrizations
 from ..mechanisms.wrapped_models import is_replica
@@ -42,8 +44,8 @@ def _wrap_with_cached_parametrizations(wrapped, instance, args, kwargs):
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.modeling_utils:do_intervention", _wrap_with_cached_parametrizations,
-             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
+        Site((modeling_utils, "do_intervention"), _wrap_with_cached_parametrizations,
+             reexported_in=(intervenable_base,)),  # star-imported there
     ),
     upstream=("pyvene",),
 )

@@ -15,6 +15,7 @@ module path instead.
 
 from __future__ import annotations
 
+from pyvene.models import intervenable_base, modeling_utils
 from pyvene.models.intervenable_modelcard import type_to_module_mapping
 
 from .._records import Fix, Site
@@ -56,8 +57,8 @@ def _unmapped_message(model, representation) -> str:
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.modeling_utils:get_module_hook", _wrap_get_module_hook,
-             reexported_in=("pyvene.models.intervenable_base",)),  # star-imported there
+        Site((modeling_utils, "get_module_hook"), _wrap_get_module_hook,
+             reexported_in=(intervenable_base,)),  # star-imported there
     ),
     upstream=("pyvene",),
 )

@@ -42,13 +42,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from pyvene.models.intervenable_base import IntervenableModel
 from pyvene.models.modeling_utils import get_dimension_by_component
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard  # imported with fixes.fsdp's fully_shard
 
 from .._records import Fix, Site
 from ..mechanisms.dtensors import TensorParallelState, is_tensor_parallel
 
-_INTERVENABLE = "pyvene.models.intervenable_base:IntervenableModel"
 
 
 def _wrap_wait_for_forward(wrapped, instance, args, kwargs):
@@ -138,8 +139,6 @@ def _on_input(hook, module: nn.Module, width: int | None, model: nn.Module):
 def to_whole(tensor: torch.Tensor, module: nn.Module, width: int | None, model: nn.Module):
     """``tensor`` whole and plain, safe to write into, and the function that turns it back into what the
     module expects (this rank's slice, the DTensor layout it came in, or the whole tensor itself)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # 0.9 s to import: only where TP runs
-
     if isinstance(tensor, DTensor):
         mesh, placements = tensor.device_mesh, tensor.placements
         whole = tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local().clone()
@@ -177,8 +176,6 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_parallel_mesh(module: nn.Module, model: nn.Module):
     """The one-dimensional TP mesh ``module``'s tensors are sliced over: that of its own weight, else of the
     first tensor-parallel linear layer of ``model`` (a mesh dimension named ``tp``, or a 1-D mesh)."""
-    from torch.distributed.tensor import DTensor, Shard  # 0.9 s to import: only where TP runs
-
     for owner in (module, model):
         for inner in owner.modules():
             weight = getattr(inner, "weight", None)
@@ -197,8 +194,8 @@ def tensor_parallel_mesh(module: nn.Module, model: nn.Module):
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{_INTERVENABLE}._wait_for_forward_with_parallel_intervention", _wrap_wait_for_forward),
-        Site(f"{_INTERVENABLE}._wait_for_forward_with_serial_intervention", _wrap_wait_for_forward),
+        Site((IntervenableModel, "_wait_for_forward_with_parallel_intervention"), _wrap_wait_for_forward),
+        Site((IntervenableModel, "_wait_for_forward_with_serial_intervention"), _wrap_wait_for_forward),
     ),
     state=TensorParallelState,
 )

@@ -9,6 +9,7 @@ The fix is ``nn.Module.train``: the wrapper, the base model and every interventi
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import IntervenableModel
 from torch import nn
 
 from .._records import Fix, Site
@@ -25,10 +26,8 @@ def _wrap_eval(wrapped, instance, args, kwargs):
 FIX = Fix(
     __name__,
     sites=(
-        Site("pyvene.models.intervenable_base:IntervenableModel.train", _wrap_train,
-             kind="replace"),
-        Site("pyvene.models.intervenable_base:IntervenableModel.eval", _wrap_eval,
-             kind="replace"),
+        Site((IntervenableModel, "train"), _wrap_train, kind="replace"),
+        Site((IntervenableModel, "eval"), _wrap_eval, kind="replace"),
     ),
     upstream=("pyvene",),
 )

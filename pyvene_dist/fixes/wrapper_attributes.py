@@ -26,6 +26,8 @@ Interventions surviving the recomputation is ``fixes.gradient_checkpointing``.
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import BaseModel
+
 from .._records import Fix, Site
 
 FORWARDED = (
@@ -93,10 +95,8 @@ def _require_grads_not_as_leaf(module, inputs, output):
 FIX = Fix(
     __name__,
     sites=(
-        *(Site(f"pyvene.models.intervenable_base:BaseModel.{name}", _Forwarded(name),
-               kind="add") for name in FORWARDED),
-        *(Site(f"pyvene.models.intervenable_base:BaseModel.{name}", _CheckpointingEnabler(name), kind="add")
-          for name in ENABLERS),
+        *(Site((BaseModel, name), _Forwarded(name), kind="add") for name in FORWARDED),
+        *(Site((BaseModel, name), _CheckpointingEnabler(name), kind="add") for name in ENABLERS),
     ),
     upstream=("pyvene",),
 )

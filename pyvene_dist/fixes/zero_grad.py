@@ -15,6 +15,8 @@ wrapper, the base model and every intervention. pyvene's own ``set_zero_grad()``
 
 from __future__ import annotations
 
+from pyvene.models.intervenable_base import BaseModel
+
 from .._records import Fix, Site
 from ..mechanisms.module_methods import nn_module_method
 
@@ -22,8 +24,7 @@ from ..mechanisms.module_methods import nn_module_method
 _wrap_zero_grad = nn_module_method("zero_grad")
 FIX = Fix(
     __name__,
-    sites=(Site("pyvene.models.intervenable_base:BaseModel.zero_grad", _wrap_zero_grad,
-                kind="replace"),),
+    sites=(Site((BaseModel, "zero_grad"), _wrap_zero_grad, kind="replace"),),
     upstream=("pyvene",),
 )
 

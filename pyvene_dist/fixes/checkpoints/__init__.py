@@ -11,13 +11,23 @@
   the dtype it was saved in (pyvene).
 - ``trainer_saves``: ``ReftTrainer`` saves on every rank, through whatever wraps the model (pyreft).
 - ``hf_resume``: HF Trainer resumes from a ``ReftTrainer`` checkpoint, exactly (pyreft).
+- ``fsdp_base_unsaved``: a checkpoint of an FSDP2 run does not gather the whole base to save it again (pyreft).
+- ``zero3_base_unsaved``: a checkpoint of a DeepSpeed run does not write the ranks' parts of the frozen base (pyreft).
 
-What they share: the files' names and the one reader that names an unreadable file (``_files``), and the whole
-trainable base weights that ``include_model`` writes (``_base_weights``).
+What they share is in ``mechanisms`` (never in the group, so that code outside it needs no fix module): the
+files' names and the one reader that names an unreadable file (``mechanisms.saved_files``, whose names this package
+re-exports as before), and the whole trainable base weights that ``include_model`` writes
+(``mechanisms.base_weights``).
 """
 
-from ._files import (INTERVENTIONS_DIR, MODEL_FILE, SAVED_STATES_FILE, STATES_FILE, UnreadableCheckpointError,
-                     read_saved)
+from ...mechanisms.saved_files import (INTERVENTIONS_DIR, MODEL_FILE, SAVED_STATES_FILE, STATES_FILE,
+                                       UnreadableCheckpointError, read_saved)
+from . import (fsdp_base_unsaved, hf_resume, intervention_files, loreft_load, loreft_state_dict, saved_dtypes,
+               trainer_saves, zero3_base_unsaved)
+
+#: The group's fix modules (``fixes.GROUPS``; tests/test_fix_groups.py keeps it equal to the folder).
+ALL = (fsdp_base_unsaved, hf_resume, intervention_files, loreft_load, loreft_state_dict, saved_dtypes, trainer_saves,
+       zero3_base_unsaved)
 
 __all__ = ("INTERVENTIONS_DIR", "MODEL_FILE", "SAVED_STATES_FILE", "STATES_FILE", "UnreadableCheckpointError",
            "read_saved")

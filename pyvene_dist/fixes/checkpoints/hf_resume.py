@@ -14,8 +14,8 @@ import os
 
 from ..._records import Fix, Site
 from ...mechanisms.arguments import bound
+from ...mechanisms.saved_files import INTERVENTIONS_DIR
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._files import INTERVENTIONS_DIR
 
 
 def _wrap_load_from_checkpoint(wrapped, instance, args, kwargs):

@@ -21,15 +21,16 @@ from __future__ import annotations
 import os
 
 import torch
+from pyvene.models.intervenable_base import IntervenableModel
 from pyvene.models.interventions import TrainableIntervention
 
 from ..._records import Fix, Site
 from ...gather import gathered, is_main_process
 from ...mechanisms.arguments import bound
-from ._base_weights import loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights, whole_copies
-from ._files import MODEL_FILE, STATES_FILE, cpu_copies, device_of, read_saved
+from ...mechanisms.base_weights import (loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights,
+                                        whole_copies)
+from ...mechanisms.saved_files import MODEL_FILE, STATES_FILE, cpu_copies, device_of, read_saved
 
-PYVENE = "pyvene.models.intervenable_base"
 
 
 def _wrap_save_intervention(wrapped, instance, args, kwargs):
@@ -74,8 +75,8 @@ def _wrap_load_intervention(wrapped, instance, args, kwargs):
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{PYVENE}:IntervenableModel.save_intervention", _wrap_save_intervention, kind="replace"),
-        Site(f"{PYVENE}:IntervenableModel.load_intervention", _wrap_load_intervention, kind="replace"),
+        Site((IntervenableModel, "save_intervention"), _wrap_save_intervention, kind="replace"),
+        Site((IntervenableModel, "load_intervention"), _wrap_load_intervention, kind="replace"),
     ),
     upstream=("pyvene",),
 )

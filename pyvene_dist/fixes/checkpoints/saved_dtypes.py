@@ -12,13 +12,13 @@ it was saved in.
   saved dtype (``mechanisms.own_dtype``), as they did in training (``fixes.fsdp``).
 - ``save`` gathered nothing: under ZeRO-3 it wrote the interventions' empty partitions, from every rank, and a
   trainable base weight (``include_model``) as this rank's partition or ``DTensor`` shard. It now gathers like
-  ``save_intervention`` and rank 0 writes (``_base_weights``); ``load(..., include_model=True)`` loads into a
+  ``save_intervention`` and rank 0 writes (``mechanisms.base_weights``); ``load(..., include_model=True)`` loads into a
   partitioned or sharded base too.
 - ``save`` wrote pyvene's ``intkey_*.bin`` with each intervention's tensors as held: a folder saved on a GPU held
   CUDA tensors, which pyvene's ``load`` (``torch.load`` without ``map_location``) cannot read on a machine without
   one. Every file it writes now holds CPU copies; with ``save_to_hf_hub=True`` those files are what is uploaded.
 - ``load`` reads every file with ``weights_only=True`` first; an unreadable one raises
-  ``UnreadableCheckpointError`` naming it (``_files``), before the user's model is touched.
+  ``UnreadableCheckpointError`` naming it (``mechanisms.saved_files``), before the user's model is touched.
 
 After this load, ``fixes.deepspeed`` gives the interventions a ZeRO-3 half-precision partition's dtype again and
 ``fixes.orthogonal`` adopts LoReFT's rotations, each by its own wrap of ``load`` outside this one.
@@ -32,16 +32,17 @@ import os
 
 import torch
 from huggingface_hub import HfApi, snapshot_download
+from pyvene.models.intervenable_base import IntervenableModel
 from torch import nn
 
 from ..._records import Fix, Site
 from ...gather import gathered, is_main_process
 from ...mechanisms.arguments import bound
+from ...mechanisms.base_weights import (loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights,
+                                        whole_copies)
 from ...mechanisms.own_dtype import compute_in_own_dtype, floating_dtype
-from ._base_weights import loaded_base_weights, load_base_weights, read_model_file, trainable_base_weights, whole_copies
-from ._files import MODEL_FILE, SAVED_STATES_FILE, check_readable, cpu_copies, device_of, read_saved
+from ...mechanisms.saved_files import MODEL_FILE, SAVED_STATES_FILE, check_readable, cpu_copies, device_of, read_saved
 
-PYVENE = "pyvene.models.intervenable_base"
 
 
 def _wrap_save(wrapped, instance, args, kwargs):
@@ -139,8 +140,8 @@ def _take_saved_dtypes(module: nn.Module, state: dict) -> bool:
 FIX = Fix(
     __name__,
     sites=(
-        Site(f"{PYVENE}:IntervenableModel.save", _wrap_save),
-        Site(f"{PYVENE}:IntervenableModel.load", _wrap_load),
+        Site((IntervenableModel, "save"), _wrap_save),
+        Site((IntervenableModel, "load"), _wrap_load),
     ),
     upstream=("pyvene",),
 )

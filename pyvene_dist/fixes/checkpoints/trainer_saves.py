@@ -20,18 +20,17 @@ import os
 import torch.distributed as dist
 from transformers.utils import logging
 
+from ..._optional import hf_trainer, pyreft_trainers
 from ..._records import Fix, Site
 from ...gather import is_main_process
 from ...mechanisms.arguments import bound
+from ...mechanisms.saved_files import INTERVENTIONS_DIR
 from ...mechanisms.wrapped_models import unwrap_intervenable_model
-from ._files import INTERVENTIONS_DIR
 
 
 def _wrap_save_model(wrapped, instance, args, kwargs):
-    from transformers import Trainer  # transformers.trainer: imported with pyreft, which this site waits for
-
     # Bound to HF's signature, whose output_dir defaults to the trainer's args.output_dir (pyreft's requires it).
-    output_dir = bound(Trainer.save_model, (instance, *args), kwargs).arguments["output_dir"]
+    output_dir = bound(hf_trainer.Trainer.save_model, (instance, *args), kwargs).arguments["output_dir"]
     target = os.path.join(output_dir or instance.args.output_dir, INTERVENTIONS_DIR)
     skip = [is_main_process() and os.path.isdir(target) and bool(os.listdir(target))]
     if dist.is_available() and dist.is_initialized():
@@ -43,9 +42,7 @@ def _wrap_save_model(wrapped, instance, args, kwargs):
 
 
 def _wrap_save_model_on_every_rank(wrapped, instance, args, kwargs):
-    from pyreft.reft_trainer import ReftTrainer
-
-    return ReftTrainer.save_model(instance, *args, **kwargs)  # writes once, on rank 0, itself
+    return pyreft_trainers.ReftTrainer.save_model(instance, *args, **kwargs)  # writes once, on rank 0, itself
 
 
 def _wrap_load_best_model(wrapped, instance, args, kwargs):

@@ -13,6 +13,13 @@
 
 ``pyreft_trainer`` names them all in ``patch(only=, exclude=)`` and in a package's ``FIXES``. Those that act when a
 trainer is made or starts training (``reft_compute_loss``, ``reft_tokenizer_keyword``, ``reft_wrapped_checkpointing``,
-``reft_zero3_dtype``, ``reft_rank_schedules``) share the ``__init__`` and ``train`` that ``_trainer_steps`` adds to
+``reft_zero3_dtype``, ``reft_rank_schedules``) share the ``__init__`` and ``train`` that ``mechanisms.trainer_steps`` adds to
 ``ReftTrainer``, each adding its step beside them. pyreft is patched when (and if) it is imported.
 """
+
+from . import (reft_classifier_evaluate, reft_compute_loss, reft_rank_schedules, reft_spawned_ranks,
+               reft_tokenizer_keyword, reft_train_loader, reft_wrapped_checkpointing, reft_zero3_dtype)
+
+#: The group's fix modules (``fixes.GROUPS``; tests/test_fix_groups.py keeps it equal to the folder).
+ALL = (reft_classifier_evaluate, reft_compute_loss, reft_rank_schedules, reft_spawned_ranks, reft_tokenizer_keyword,
+       reft_train_loader, reft_wrapped_checkpointing, reft_zero3_dtype)

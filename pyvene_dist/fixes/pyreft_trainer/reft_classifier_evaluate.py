@@ -14,9 +14,10 @@ pyreft is patched when (and if) it is imported.
 from __future__ import annotations
 
 import torch
+from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
 
 from ..._records import Fix, Site
-from ._trainer_steps import PYREFT
+from ...mechanisms.trainer_steps import PYREFT
 
 
 def _wrap_evaluate(wrapped, instance, args, kwargs):
@@ -25,8 +26,6 @@ def _wrap_evaluate(wrapped, instance, args, kwargs):
 
 def _evaluate_sequence_classification(trainer, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
     """pyreft's evaluation (intervened logits, ``compute_metrics`` on float32 CPU tensors), sharded."""
-    from transformers.trainer_utils import EvalPrediction, denumpify_detensorize  # slow to import: at a call
-
     trainer._memory_tracker.start()
     dataloader = trainer.get_eval_dataloader(eval_dataset)
     model = trainer.model_wrapped

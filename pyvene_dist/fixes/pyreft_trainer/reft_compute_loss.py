@@ -40,12 +40,14 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
+from ..._optional import pyreft_trainers
 from ..._records import Fix, Site
 from ..._registry import UNDO_LOG
 from ...mechanisms.arguments import bound
+from ...mechanisms.trainer_steps import AFTER_INIT, PYREFT, step_sites
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import AFTER_INIT, PYREFT, step_sites
 
 #: HF Trainer's loss keyword, which pyreft's ``compute_loss`` lacked until after 0.1.0.
 NUM_ITEMS = "num_items_in_batch"
@@ -137,8 +139,7 @@ def _adopt_old_signatures(trainer_class) -> None:
     """Wrap each ``compute_loss`` that a subclass of pyreft's trainers defines without a place for
     ``num_items_in_batch`` (pyreft's own signature until 0.1.0, which its examples copy), so that HF
     Trainer's keyword is dropped for it too; ``unpatch()`` puts them back."""
-    from pyreft.reft_trainer import ReftTrainer  # pyreft is patched when it is imported, never imported here
-
+    ReftTrainer = pyreft_trainers.ReftTrainer
     for owner in trainer_class.__mro__:
         if owner.__module__ == ReftTrainer.__module__ or not issubclass(owner, ReftTrainer):
             continue
@@ -149,19 +150,15 @@ def _adopt_old_signatures(trainer_class) -> None:
 
 def _runs_pyrefts_loss(trainer_class) -> bool:
     """Whether ``compute_loss`` is pyreft's own for this class (not a subclass's override)."""
-    from pyreft.reft_trainer import ReftTrainer, ReftTrainerForSequenceClassification
-
-    return _defining_class(trainer_class, "compute_loss") in (ReftTrainer, ReftTrainerForSequenceClassification)
+    return _defining_class(trainer_class, "compute_loss") in (pyreft_trainers.ReftTrainer,
+                                                              pyreft_trainers.ReftTrainerForSequenceClassification)
 
 
 def _runs_causal_lm_loss(trainer_class, model) -> bool:
     """Whether the loss is a causal LM's, whose labels are shifted: ``ReftTrainer.compute_loss`` returns the
     base model's loss, and HF Trainer's rule (``Trainer.__init__``) says which, asked of that model."""
-    from pyreft.reft_trainer import ReftTrainer
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss  # slow to import: at a trainer's making
-
     base = unwrap_intervenable_model(model).model
-    return (_defining_class(trainer_class, "compute_loss") is ReftTrainer
+    return (_defining_class(trainer_class, "compute_loss") is pyreft_trainers.ReftTrainer
             and LOSS_MAPPING.get(getattr(base, "loss_type", None)) is ForCausalLMLoss
             and not getattr(base.config, "is_encoder_decoder", False))
 

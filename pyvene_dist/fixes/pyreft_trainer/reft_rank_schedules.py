@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..._records import Fix
-from ._trainer_steps import CHECK_TRAIN, step_sites
+from ...mechanisms.trainer_steps import CHECK_TRAIN, step_sites
 
 #: The ``TrainingArguments`` that decide at which steps HF Trainer runs a collective: logging gathers the loss
 #: and the FLOs, saving the FLOs (and ``save_model`` may gather), evaluating gathers predictions, each step may

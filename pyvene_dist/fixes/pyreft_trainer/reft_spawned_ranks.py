@@ -20,8 +20,9 @@ import socket
 
 import torch.distributed as dist
 
+from ..._optional import pyreft_trainers
 from ..._records import Fix, Site
-from ._trainer_steps import PYREFT
+from ...mechanisms.trainer_steps import PYREFT
 
 #: What torchrun sets in each rank's environment, and HF's TrainingArguments (through accelerate) read.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -29,10 +30,8 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 def _create_accelerator_for_each_rank(self, *args, **kwargs):
     """``Trainer.create_accelerator_and_postprocess``, once the ranks are taken from the process group."""
-    from pyreft.reft_trainer import ReftTrainer  # pyreft is patched when it is imported, never imported here
-
     _take_ranks_from_the_process_group(self.args)
-    return super(ReftTrainer, self).create_accelerator_and_postprocess(*args, **kwargs)
+    return super(pyreft_trainers.ReftTrainer, self).create_accelerator_and_postprocess(*args, **kwargs)
 
 
 def _take_ranks_from_the_process_group(arguments) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import inspect
 
+from ..._optional import hf_trainer
 from ..._records import Fix
-from ._trainer_steps import BEFORE_INIT, step_sites
+from ...mechanisms.trainer_steps import BEFORE_INIT, step_sites
 
 
 def _take_tokenizer_as_processing_class(trainer, kwargs: dict) -> None:
@@ -26,9 +27,7 @@ def _take_tokenizer_as_processing_class(trainer, kwargs: dict) -> None:
 
 
 def _trainer_takes_tokenizer() -> bool:
-    from transformers import Trainer  # transformers.trainer is patched when it is imported, never imported here
-
-    return "tokenizer" in inspect.signature(Trainer.__init__).parameters
+    return "tokenizer" in inspect.signature(hf_trainer.Trainer.__init__).parameters
 
 
 FIX = Fix(

@@ -11,14 +11,13 @@ pyreft is patched when (and if) it is imported.
 
 from __future__ import annotations
 
+from ..._optional import hf_trainer
 from ..._records import Fix, Site
-from ._trainer_steps import PYREFT
+from ...mechanisms.trainer_steps import PYREFT
 
 
 def _wrap_train_dataloader(wrapped, instance, args, kwargs):
-    from transformers import Trainer  # transformers.trainer is patched when it is imported, never imported here
-
-    return Trainer.get_train_dataloader(instance, *args, **kwargs)
+    return hf_trainer.Trainer.get_train_dataloader(instance, *args, **kwargs)
 
 
 FIX = Fix(

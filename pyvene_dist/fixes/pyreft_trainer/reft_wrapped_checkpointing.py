@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 
 from ..._records import Fix
+from ...mechanisms.trainer_steps import AROUND_TRAIN, step_sites
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import AROUND_TRAIN, step_sites
 
 #: ``Trainer.train`` calls the first of these the model has (transformers 5.2x; before, only the second).
 CHECKPOINTING_ENABLERS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")

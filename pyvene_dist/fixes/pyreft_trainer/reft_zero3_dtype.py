@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..._records import Fix
+from ...mechanisms.trainer_steps import CHECK_TRAIN, step_sites
 from ...mechanisms.wrapped_models import holds_intervenable_model, unwrap_intervenable_model
-from ._trainer_steps import CHECK_TRAIN, step_sites
 
 
 def _refuse_a_partition_in_another_dtype(trainer) -> None:

@@ -2,11 +2,11 @@
 
 The fixes reach into pyvene's, pyreft's, torch's and transformers' internals; against a release that changed
 them they could wrap the wrong thing and give a silently wrong result. ``patch()`` (``check``) therefore looks,
-before it applies anything, at the form of every function each selected fix depends on (``_fingerprints``: the
+before it applies anything, at the form of every function each selected fix depends on (``forms``: the
 places of its sites but those it adds, and its ``relies_on``), read from the files, pyreft and
 ``transformers.trainer`` included though they are patched only when imported:
 
-- every form is one recorded in ``_fingerprints_table.KNOWN`` and the installed releases are among those recorded
+- every form is one recorded in ``table.KNOWN`` and the installed releases are among those recorded
   with them: the fixes are applied;
 - every form is known but a release is not among those recorded (a newer transformers that left these functions
   as they were): the fixes are applied, and one line is logged (``logging``, logger ``pyvene_dist``, INFO) naming
@@ -35,8 +35,8 @@ from typing import Iterable
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import _fingerprints, _installed
-from ._options import ALLOW_UNSUPPORTED
+from .._options import ALLOW_UNSUPPORTED, Options
+from . import forms, installed
 
 #: Distribution -> the oldest releases pyvene_dist supports, whichever fixes it applies: those tested. torch 2.11
 #: on the H200s (and ``fixes.fsdp`` needs 2.6+ for ``torch.distributed.fsdp._fully_shard``); transformers 5.17 on
@@ -44,7 +44,7 @@ from ._options import ALLOW_UNSUPPORTED
 REQUIRED = types.MappingProxyType({"transformers": ">=5.17", "torch": ">=2.11"})
 #: Distributions that may be missing (their fixes then have nothing to fix, and ``fixes.upstreamed`` counts a
 #: missing one as carrying its fixes).
-OPTIONAL = frozenset({"pyreft"})
+OPTIONAL = frozenset({"pyreft", "accelerate", "deepspeed"})
 ALLOW_ENV = ALLOW_UNSUPPORTED.variable  # PYVENE_DIST_ALLOW_UNSUPPORTED
 RECORD_COMMAND = "python -m pyvene_dist.fix_list --record"
 log = logging.getLogger("pyvene_dist")
@@ -58,7 +58,7 @@ def below_floor() -> list[str]:
     """One line per ``REQUIRED`` distribution below its floor or not installed."""
     problems = []
     for distribution, specifier in REQUIRED.items():
-        version = _installed.version(distribution)
+        version = installed.version(distribution)
         if version is None:
             problems.append(f"{distribution} is not installed; pyvene_dist needs {distribution}{specifier}")
         elif not SpecifierSet(specifier).contains(Version(version), prereleases=True):
@@ -68,15 +68,15 @@ def below_floor() -> list[str]:
 
 def mismatches(fixes: Iterable) -> list[str]:
     """One line per reason ``patch()`` would refuse ``fixes`` (those it would apply: ``fixes.select()``)."""
-    return below_floor() + [str(change) for change in _fingerprints.survey(fixes).changed]
+    return below_floor() + [str(change) for change in forms.survey(fixes).changed]
 
 
 def check(fixes: Iterable, allow_unsupported: bool) -> None:
     """``patch()``'s guard, before anything is applied (see the module's docstring). What it needs of the installed
-    packages is read in one pass below (``_fingerprints.survey``); the judging here works on what that returns."""
+    packages is read in one pass below (``forms.survey``); the judging here works on what that returns."""
     fixes = list(fixes)
     dependents = _dependents(fixes)
-    floors, found = below_floor(), _fingerprints.survey(fixes)
+    floors, found = below_floor(), forms.survey(fixes)
     if not floors and not found.changed:
         if found.unlisted:
             log.info("pyvene_dist: %s not among the releases the fixes were checked on; the functions the fixes "
@@ -111,3 +111,27 @@ def _dependents(fixes: list) -> dict[str, set[str]]:
             if more:
                 found[name], grown = names | more, True
     return found
+
+
+def check_replaced(fix: str, path: str, original, options: Options) -> None:
+    """The object a ``replace`` site (``path``) of the fix ``fix`` replaces must have a known form: ``check`` read its
+    file at ``patch()``, and this is what was imported (a module imported after ``patch()`` from elsewhere, an
+    original someone replaced). Called by ``_records`` as it applies the site."""
+    try:
+        found = forms.fingerprint(original)
+    except (TypeError, OSError):  # no source to read: no fingerprint either
+        found = forms.NO_SOURCE
+    known = forms.known().get(path, {})
+    if found in known:
+        return
+    message = (
+        f"pyvene_dist's fix {fix!r} replaces {path}, written for the sources {forms.known_forms(known)}; "
+        f"the one imported has {found}, so the replacement may drop what changed"
+    )
+    if options.allow_unsupported:
+        warnings.warn(f"pyvene_dist: patching anyway: {message}", RuntimeWarning, stacklevel=4)
+        return
+    raise UnsupportedVersionError(
+        f"{message}. To patch anyway, call pyvene_dist.patch(allow_unsupported=True) or set "
+        f"{ALLOW_ENV}=1."
+    )

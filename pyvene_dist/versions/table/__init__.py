@@ -1,7 +1,7 @@
-"""The forms of the functions pyvene_dist's fixes depend on (``_fingerprints``), one generated module per
+"""The forms of the functions pyvene_dist's fixes depend on (``versions.forms``), one generated module per
 distribution (``forms_pyreft.py``, ``forms_pyvene.py``, ``forms_torch.py``, ``forms_transformers.py``), which
-``python -m pyvene_dist.fix_list --record`` writes (``_fingerprints.write``). ``KNOWN`` and ``FILES`` are their
-tables together, the one table ``_fingerprints`` reads."""
+``python -m pyvene_dist.fix_list --record`` writes (``forms.write``). ``KNOWN`` and ``FILES`` are their
+tables together, the one table ``forms`` reads."""
 
 from __future__ import annotations
 

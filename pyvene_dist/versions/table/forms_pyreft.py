@@ -1,4 +1,4 @@
-"""The forms of the pyreft functions pyvene_dist's fixes depend on (``_fingerprints``). Generated: after a
+"""The forms of the pyreft functions pyvene_dist's fixes depend on (``versions.forms``). Generated: after a
 run passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR
 --release NAME=RELEASE`` a source tree's). Edit by re-recording, not by hand."""
 

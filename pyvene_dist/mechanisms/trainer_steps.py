@@ -1,6 +1,6 @@
-"""``ReftTrainer.__init__`` and ``ReftTrainer.train``, which pyreft's trainers do not define and several of this
-group's fixes act in: each fix that needs one adds it (the same function, added once) and adds its step beside it,
-an attribute of ``ReftTrainer`` named with a stage's prefix and the fix's name. The added method runs HF Trainer's
+"""``ReftTrainer.__init__`` and ``ReftTrainer.train``, which pyreft's trainers do not define and several fixes of
+the ``pyreft_trainer`` group act in: each fix that needs one adds it (the same function, added once) and adds its
+step beside it, an attribute of ``ReftTrainer`` named with a stage's prefix and the fix's name. The added method runs HF Trainer's
 and, around it, the steps it finds on the trainer's class, in name order within each stage. A fix left out of
 ``patch()`` adds no step, and ``unpatch()`` deletes the steps with the methods.
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from ..._records import Site
+from .._optional import pyreft_trainers
+from .._records import Site
 
 PYREFT = "pyreft.reft_trainer"
 #: ``step(kwargs)``: may change the keywords ``Trainer.__init__`` is given (``reft_tokenizer_keyword``).
@@ -50,7 +51,7 @@ def reft_trainer_init(self, *args, **kwargs):
     """``Trainer.__init__``, between the steps of the fixes applied (``BEFORE_INIT``, ``AFTER_INIT``)."""
     for step in steps(self, BEFORE_INIT):
         step(kwargs)
-    super(_reft_trainer(), self).__init__(*args, **kwargs)
+    super(pyreft_trainers.ReftTrainer, self).__init__(*args, **kwargs)
     for step in steps(self, AFTER_INIT):
         step()
 
@@ -63,10 +64,4 @@ def reft_trainer_train(self, *args, **kwargs):
     with contextlib.ExitStack() as contexts:
         for around in steps(self, AROUND_TRAIN):
             contexts.enter_context(around())
-        return super(_reft_trainer(), self).train(*args, **kwargs)
-
-
-def _reft_trainer() -> type:
-    from pyreft.reft_trainer import ReftTrainer  # pyreft is patched when it is imported, never imported here
-
-    return ReftTrainer
+        return super(pyreft_trainers.ReftTrainer, self).train(*args, **kwargs)

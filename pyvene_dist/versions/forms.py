@@ -1,16 +1,16 @@
 """The forms of the functions the fixes depend on, read from their files without importing them, and the table of
-the forms known to work (``_fingerprints_table.KNOWN``).
+the forms known to work (``table.KNOWN``).
 
 A fix depends on the functions it wraps, replaces or enters (each place of its sites but ``add``) and on those it
 names in ``relies_on``: its ``targets``. A target's form is its source fingerprint, the first 16 hex digits of the
-SHA-256 of its dedented source, as ``_records.fingerprint`` gives for the function object. Here it comes from the
+SHA-256 of its dedented source, as ``fingerprint`` gives for the function object. Here it comes from the
 module's file, found as the import system would find it (``module_file``; nothing is imported, not even a parent
 package) and read as ``inspect.getsource`` reads it: from the function's first line (its first decorator's), found
 through the file's cached bytecode (the code objects' ``co_firstlineno``, as ``inspect`` does) or, without fresh
 bytecode, with ``ast``, then the block ``inspect.getblock`` gives. ``patch()`` can so check pyreft and
 ``transformers.trainer``, which it patches only when they are imported. Each file is read once per change of it.
 
-``KNOWN`` maps each target to its forms, each with the releases it was seen and tested with; a fix's "checked on"
+``table.KNOWN`` maps each target to its forms, each with the releases it was seen and tested with; a fix's "checked on"
 is derived from it (``checked_on``), per distribution. ``record`` adds the installed environment's forms (or a
 source tree's) and rewrites the table: ``python -m pyvene_dist.fix_list --record`` after a run passed there.
 """
@@ -35,12 +35,12 @@ from typing import Iterable, Protocol
 
 from packaging.version import InvalidVersion, Version
 
-from . import _installed
-from ._fingerprints_table import FILES, KNOWN
+from . import installed
+from .table import FILES, KNOWN
 
 
 class Dependent(Protocol):
-    """What the table reads of a fix's record (``_records.Fix``, which imports this module): the places it touches
+    """What the table reads of a fix's record (``_records.Fix``, which imports this package): the places it touches
     and the functions it relies on besides."""
 
     name: str
@@ -53,12 +53,17 @@ ABSENT = "absent"
 #: The form of a target whose module has no Python source to read (bytecode only, an extension module).
 NO_SOURCE = "none"
 #: The table: a package of one generated module per distribution (``forms_<distribution>.py``).
-TABLE = Path(__file__).with_name("_fingerprints_table")
+TABLE = Path(__file__).with_name("table")
 
 
 def digest(source: str) -> str:
     """The fingerprint of a function's source as ``inspect.getsource`` returns it."""
     return hashlib.sha256(textwrap.dedent(source).encode()).hexdigest()[:16]
+
+
+def fingerprint(original) -> str:
+    """The first 16 hex digits of the SHA-256 of ``original``'s source (dedented): the form of a function object."""
+    return digest(inspect.getsource(getattr(original, "__func__", original)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +275,7 @@ def known_forms(forms: dict[str, tuple[str, ...]]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Survey:
-    """What the version guard (``_versions.check``) reads of the installed packages for a set of fixes."""
+    """What the version guard (``guard.check``) reads of the installed packages for a set of fixes."""
 
     #: Every function of the fixes whose installed form is not known, where its distribution is installed.
     changed: tuple[Changed, ...]
@@ -280,7 +285,7 @@ class Survey:
 
 def survey(fixes: Iterable[Dependent]) -> Survey:
     """The forms of every function ``fixes`` depend on against the table, and the installed releases against
-    those the table records for them: read in one pass, the installed versions last (``_installed``)."""
+    those the table records for them: read in one pass, the installed versions last (``installed``)."""
     table, index = known(), known_files()
     forms, recorded = [], {}
     for fix in fixes:
@@ -289,13 +294,13 @@ def survey(fixes: Iterable[Dependent]) -> Survey:
             recorded[distribution] = recorded.get(distribution, public) & public
         forms += [(fix.name, target, static_fingerprint(target, index=index))
                   for target in targets(fix) if not target.any_form]
-    installed = {name: _installed.version(name)
+    versions = {name: installed.version(name)
                  for name in {target.distribution for _, target, _ in forms} | recorded.keys()}
     changed = tuple(Changed(name, target.path, form or ABSENT, table.get(target.path, {}))
                     for name, target, form in forms
-                    if (form is not None or installed[target.distribution] is not None)  # pyreft absent: no sites
+                    if (form is not None or versions[target.distribution] is not None)  # pyreft absent: no sites
                     and (form or ABSENT) not in table.get(target.path, {}))
-    unlisted = {name: version for name, version in installed.items()
+    unlisted = {name: version for name, version in versions.items()
                 if version is not None and name in recorded and Version(version).public not in recorded[name]}
     return Survey(changed, unlisted)
 
@@ -316,7 +321,7 @@ def record(fixes: Iterable[Dependent], root: str | os.PathLike | None = None,
     for path, target in every.items():
         if root is not None and (releases or {}).get(target.distribution) is None:
             continue
-        release = (releases or {}).get(target.distribution) or _installed.release(target.distribution)
+        release = (releases or {}).get(target.distribution) or installed.release(target.distribution)
         form = static_fingerprint(target, root)
         if release is None or form is None:  # not installed here (pyreft is optional)
             continue
@@ -351,7 +356,7 @@ def write(table: Table, folder: Path = TABLE) -> None:
             stale.unlink()
     for distribution, (known_here, files_here) in by_distribution.items():
         (folder / f"forms_{distribution}.py").write_text(
-            f'"""The forms of the {distribution} functions pyvene_dist\'s fixes depend on (``_fingerprints``). '
+            f'"""The forms of the {distribution} functions pyvene_dist\'s fixes depend on (``versions.forms``). '
             "Generated: after a\nrun passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds "
             "their forms (``--source DIR\n--release NAME=RELEASE`` a source tree's). Edit by re-recording, not by "
             'hand."""\n\n'

@@ -2,7 +2,7 @@
 
 ``version`` is the distribution's version as its metadata gives it (``2.13.0+cpu``), for the floors and for
 messages; ``release`` is the same release as the fingerprints table names it (``2.13.0``, or ``0.1.0+git.dafd099``
-for a git checkout). Both ``_versions`` (the guard) and ``_fingerprints`` (the table) read them here, so that the
+for a git checkout). Both ``guard`` and ``forms`` (the table) read them here, so that the
 guard's calls go one way, down to this module, and a test replaces what is installed in one place."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The forms of the pyvene functions pyvene_dist's fixes depend on (``_fingerprints``). Generated: after a
+"""The forms of the pyvene functions pyvene_dist's fixes depend on (``versions.forms``). Generated: after a
 run passes on other releases, ``python -m pyvene_dist.fix_list --record`` adds their forms (``--source DIR
 --release NAME=RELEASE`` a source tree's). Edit by re-recording, not by hand."""
 
@@ -26,6 +26,7 @@ KNOWN: Final = {
     },
     'pyvene.models.intervenable_base:BaseModel.set_device': {
         '778f99bd7e8c8cd1': ('0.1.8',),
+        'affc2443602276e7': ('0.1.8+patches',),
     },
     'pyvene.models.intervenable_base:BaseModel.zero_grad': {
         '1c63e00216189246': ('0.1.8',),
