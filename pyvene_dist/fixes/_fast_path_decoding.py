@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 import types
+import warnings
 
 import torch
 
@@ -42,8 +44,43 @@ def _compiled_step(model, plan: Plan, compile_config):
         return model.__call__
     config = compile_config or model._default_compile_config()
     if plan.compiled is None or plan.compiled[0] != config:
-        plan.compiled = (config, torch.compile(_decoding_step(model), **config.to_dict()))
+        plan.compiled = (config, _FusionFallback(model, config))
     return plan.compiled[1]
+
+
+#: Where torch's Inductor C++ code generator fails on a ReFT's decoding step (torch 2.13, CPU).
+INDUCTOR_OUTER_LOOP_BUG = "try_outer_loop_fusion_with_local_buf"
+
+
+class _FusionFallback:
+    """The plan's compiled step, compiled again with Inductor's fusion limited where torch's C++ code generator fails
+    on it: on the CPU (``compile_config._compile_all_devices``), with the bare model's step compiled first, torch
+    2.13's Inductor raised ``InductorError: KeyError: 'buf61'`` in ``try_outer_loop_fusion_with_local_buf`` compiling a
+    LoReFT's every-token step (hidden 64, one LoReFT at layer 1). ``options={"max_fusion_size": 1}`` (and no
+    ``mode``, which torch takes with options only alone; CPU has no CUDA graphs to lose) compiles it, and generates the
+    eager tokens; a warning says so once. Any other error is raised as it was."""
+
+    def __init__(self, model, config):
+        self.model, self.config = model, config
+        self.step = torch.compile(_decoding_step(model), **config.to_dict())
+        self.fell_back = False
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.step(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- only Inductor's known failure is taken; the rest re-raised
+            if self.fell_back or INDUCTOR_OUTER_LOOP_BUG not in "".join(traceback.format_exception(error)):
+                raise
+        self.fell_back = True
+        warnings.warn(
+            f"pyvene_dist: torch {torch.__version__}'s Inductor failed compiling this ReFT's decoding step "
+            f"({INDUCTOR_OUTER_LOOP_BUG}, a bug of its C++ code generator); compiled again with "
+            "options={'max_fusion_size': 1} (docs/troubleshooting.md). Pass disable_compile=True to generate eagerly.",
+            RuntimeWarning, stacklevel=2)
+        settings = self.config.to_dict()
+        settings.update(mode=None, options={**(settings.get("options") or {}), "max_fusion_size": 1})
+        self.step = torch.compile(_decoding_step(self.model), **settings)
+        return self.step(*args, **kwargs)
 
 
 def _decoding_step(model):
