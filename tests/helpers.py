@@ -41,7 +41,8 @@ def patch_upstream(folder: Path) -> None:
     (``patch()`` would skip those). Only the runtime-only fixes are applied (torch's DataParallel,
     DDP, FSDP and tensor-parallel setup, torch's orthogonal parametrization), and of pyvene they wrap
     nothing but ``BaseModel.get_device`` (DataParallel replicas), ``BaseModel.__init__`` (where
-    ``fixes.orthogonal`` finds pyvene's rotations) and the two interventions-forward waits (tensor
+    ``fixes.orthogonal`` finds pyvene's rotations), ``BaseModel.set_device`` (``fixes.sharded_loading``
+    keeps the interventions off a base still on the meta device) and the two interventions-forward waits (tensor
     parallel). Concerns that are neither (performance fast paths) are left off: parity needs none.
     """
     import pyreft
@@ -64,7 +65,8 @@ def patch_upstream(folder: Path) -> None:
     base_model = [f"pyvene.models.intervenable_base.BaseModel.{name}" for name in ("get_device", "__init__")]
     fast_path = [f"pyvene.models.intervenable_base.IntervenableModel.{name}" for name in ("forward", "generate")]
     orthogonal = ["pyvene.models.intervenable_base.IntervenableModel.load"]  # its entry adopts the loaded rotations
-    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path, *orthogonal]):
+    sharded_loading = ["pyvene.models.intervenable_base.BaseModel.set_device"]  # interventions kept off a meta base
+    if sorted(touched) != sorted([*base_model, *tensor_parallel, *fast_path, *orthogonal, *sharded_loading]):
         raise RuntimeError(f"runtime-only fixes wrapped {touched} of pyvene and pyreft")
 
 

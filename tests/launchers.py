@@ -22,9 +22,40 @@ def run_launcher(tmp_path, launcher_arguments, script_arguments=(), *, timeout=4
     return Record(**torch.load(out))
 
 
+#: Separates the runs of one launch of train_with_trainer.py (``OUT.pt [options] --then OUT.pt [options] ...``).
+THEN = "--then"
+
+
+def launch_runs(folder, launcher_arguments, runs, *, timeout=480, env=None):
+    """One launch, ``python <launcher_arguments> OUT1 <runs[0]> --then OUT2 <runs[1]> ...``, of a script that makes
+    each run in turn in the same processes (tests/scripts/train_with_trainer.py), instead of a launch for each run:
+    each launched process imports torch, transformers and pyvene once. Returns ``(record, output)``: ``record(i)`` is
+    the Record of run ``i``, and fails the test that asks for it, with the launch's output, if the launch exited
+    non-zero or ran past ``timeout`` seconds (as a launch of that run alone would have); ``output`` is the launch's."""
+    outs = [folder / f"record-{len(list(folder.iterdir()))}-{number}.pt" for number in range(len(runs))]
+    arguments = [argument for out, run in zip(outs, runs) for argument in (THEN, str(out), *run)][1:]
+    outputs, failed = _run([[*launcher_arguments, *arguments]], timeout=timeout, env=env)
+
+    def record(number):
+        if failed:
+            saved = [str(n) for n, out in enumerate(outs) if out.is_file()]
+            pytest.fail(f"run {number} ({' '.join(runs[number])}) was made in a launch of {len(runs)} runs that failed "
+                        f"(records saved: runs {', '.join(saved) or 'none'}):\n" + "\n\n".join(failed))
+        return Record(**torch.load(outs[number]))
+    return record, "\n\n".join(outputs)
+
+
 def run_together(commands, *, timeout=480, env=None, cwd=None):
     """``python <command>`` for each command, all at once (the nodes of one job); fails the test, with every
     output, if one exits non-zero or runs past ``timeout`` seconds (then each is killed with its children)."""
+    outputs, failed = _run(commands, timeout=timeout, env=env, cwd=cwd)
+    if failed:
+        pytest.fail("\n\n".join(failed))
+    return outputs
+
+
+def _run(commands, *, timeout=480, env=None, cwd=None):
+    """``run_together``'s launch: the outputs of the commands that exited 0, and a report of each that did not."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     processes = [subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True, env=environment, cwd=cwd)
@@ -43,6 +74,4 @@ def run_together(commands, *, timeout=480, env=None, cwd=None):
         outputs.append(output)
         if process.returncode != 0:
             failed.append(f"{' '.join(command)} exited {process.returncode}:\n{output}")
-    if failed:
-        pytest.fail("\n\n".join(failed))
-    return outputs
+    return outputs, failed

@@ -68,10 +68,11 @@ def test_an_argument_that_is_not_a_boolean_is_refused_naming_it_and_its_owner():
 
 
 def test_the_fixes_options_are_declared_by_the_fixes_that_read_them_not_by_the_core():
-    """``cuda_graphs`` is ``orthogonal``'s and ``fast_path`` is ``fast_path``'s: their records declare them, and
+    """``cuda_graphs`` is ``orthogonal``'s, ``fast_path`` is ``fast_path``'s and ``sharded_loading`` is
+    ``sharded_loading``'s: their records declare them, and
     ``patch()`` knows them only from there (its signature names the core's ``allow_unsupported`` alone)."""
     owners = {option.name: fix.name for fix in fixes.fixes() for option in fix.options}
-    assert owners == {"cuda_graphs": "orthogonal", "fast_path": "fast_path"}
+    assert owners == {"cuda_graphs": "orthogonal", "fast_path": "fast_path", "sharded_loading": "sharded_loading"}
     keywords = [name for name, parameter in inspect.signature(pyvene_dist.patch).parameters.items()
                 if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keywords == ["only", "exclude", "allow_unsupported"]
@@ -79,7 +80,7 @@ def test_the_fixes_options_are_declared_by_the_fixes_that_read_them_not_by_the_c
 
 def test_an_unknown_option_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(TypeError, match=r"^pyvene_dist\.patch\(\) has no option 'cuda_graph'; its options: "
-                                        r"allow_unsupported, cuda_graphs, fast_path$"):
+                                        r"allow_unsupported, cuda_graphs, fast_path, sharded_loading$"):
         pyvene_dist.patch(cuda_graph=False)
     assert not pyvene_dist.is_patched()
 

@@ -1,23 +1,62 @@
 """The patch layer: reversible, idempotent, lazy about pyreft, and guarded by versions.
 
-Every order runs in a fresh interpreter (dd-trace-py's matrix): import state leaks between tests
-otherwise, and "patch then import" cannot be tested in a process that has imported pyvene already.
+Every order runs in a process of its own (dd-trace-py's matrix): import state leaks between tests otherwise, and
+"patch then import" cannot be tested in a process that has imported pyreft or HF's trainer already. The process is
+forked from the ranks' preloaded server (pyvene_dist.testing._preloaded), which imported torch, transformers and
+pyvene but neither pyreft nor transformers.trainer, and patched nothing (tests/test_preloaded.py): what every order
+imports first anyway, saving the 5 of the 7 seconds a fresh interpreter takes to import pyvene here.
 """
 
+import ast
+import contextlib
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
+from pyvene_dist.testing import _preloaded
+
 PROBE = Path(__file__).parent / "scripts" / "patch_probe.py"
 
 
-def probe(*steps, env=None):
-    result = subprocess.run(
-        [sys.executable, str(PROBE), *steps], capture_output=True, text=True, timeout=300, env=env
-    )
+def _in_fork(steps, code, out: str) -> None:
+    """In the forked process: the probe script's ``steps``, or ``code``, its output and errors written to ``out``."""
+    with open(out, "w") as stream, contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        try:
+            if code is None:
+                sys.argv = [str(PROBE), *steps]
+                runpy.run_path(str(PROBE), run_name="__main__")
+            else:
+                exec(compile(code, "<test code>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            raise SystemExit(1)
+
+
+def forked(tmp_path, steps=(), code=None) -> str:
+    """What the probe's ``steps`` (or ``code``) printed in a process forked from the preloaded server; fails the test
+    with that output and the traceback where it failed."""
+    out = tmp_path / "forked.out"
+    process = _preloaded.context().Process(target=_in_fork, args=(steps, code, str(out)), daemon=True)
+    process.start()
+    process.join(300)
+    if process.is_alive():
+        process.kill()
+        pytest.fail(f"{code or steps} still running after 300 s:\n{out.read_text() if out.exists() else ''}")
+    text = out.read_text()
+    assert process.exitcode == 0, f"{code or steps} failed (exit {process.exitcode}):\n{text}"
+    return text
+
+
+def probe(*steps, env=None, tmp_path=None):
+    """The probe's output for ``steps``: in a forked process, or in a fresh interpreter where ``env`` is given."""
+    if env is None:
+        return forked(tmp_path, steps)
+    result = subprocess.run([sys.executable, str(PROBE), *steps], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"steps {steps} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -43,12 +82,13 @@ ORDERS = {
 
 
 @pytest.mark.parametrize("steps", ORDERS.values(), ids=ORDERS.keys())
-def test_patch_order(steps):
-    assert probe(*steps).strip().endswith("ok")
+def test_patch_order(steps, tmp_path):
+    assert probe(*steps, tmp_path=tmp_path).strip().endswith("ok")
 
 
-def test_every_site_of_every_fix_is_wrapped_then_restored():
-    out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored").splitlines()
+def test_every_site_of_every_fix_is_wrapped_then_restored(tmp_path):
+    out = probe("import", "capture", "patch", "check-wrapped", "unpatch", "check-restored",
+                tmp_path=tmp_path).splitlines()
     from pyvene_dist.fixes import select
 
     declared = sorted(site.path for fix in select() for site in fix.places)
@@ -76,30 +116,30 @@ def test_plugin_imports_only_pytest():
 def test_a_release_below_the_floor_is_refused_naming_installed_and_floor(monkeypatch):
     """The floors stay hard whatever the forms (transformers 5.16 is older than any release tested)."""
     import pyvene_dist
-    from pyvene_dist import _installed, _versions
+    from pyvene_dist.versions import guard, installed
 
-    installed = _installed.version
-    monkeypatch.setattr(_installed, "version", lambda d: "5.16.0" if d == "transformers" else installed(d))
-    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
-    with pytest.raises(_versions.UnsupportedVersionError) as error:
+    real_version = installed.version
+    monkeypatch.setattr(installed, "version", lambda d: "5.16.0" if d == "transformers" else real_version(d))
+    monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
+    with pytest.raises(guard.UnsupportedVersionError) as error:
         pyvene_dist.patch()
     message = str(error.value)
     assert "transformers 5.16.0 is installed; pyvene_dist supports transformers>=5.17" in message
-    assert _versions.ALLOW_ENV in message and "allow_unsupported=True" in message
+    assert guard.ALLOW_ENV in message and "allow_unsupported=True" in message
     assert not pyvene_dist.is_patched()
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_version_guard_override(monkeypatch, how):
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist.versions import guard
 
-    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
+    monkeypatch.setattr(guard, "REQUIRED", {**guard.REQUIRED, "transformers": "<1"})
     kwargs = {}
     if how == "argument":
         kwargs["allow_unsupported"] = True
     else:
-        monkeypatch.setenv(_versions.ALLOW_ENV, "1")
+        monkeypatch.setenv(guard.ALLOW_ENV, "1")
     with pytest.warns(RuntimeWarning, match="transformers .* is installed; pyvene_dist supports transformers<1"):
         with pyvene_dist.patched(**kwargs):
             assert pyvene_dist.is_patched()
@@ -109,11 +149,11 @@ def test_version_guard_override(monkeypatch, how):
 @pytest.mark.parametrize("value", ["false", "0", "no", "FALSE", ""])
 def test_version_guard_override_off(monkeypatch, value):
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist.versions import guard
 
-    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
-    monkeypatch.setenv(_versions.ALLOW_ENV, value)
-    with pytest.raises(_versions.UnsupportedVersionError):
+    monkeypatch.setattr(guard, "REQUIRED", {**guard.REQUIRED, "transformers": "<1"})
+    monkeypatch.setenv(guard.ALLOW_ENV, value)
+    with pytest.raises(guard.UnsupportedVersionError):
         pyvene_dist.patch()
     assert not pyvene_dist.is_patched()
 
@@ -121,10 +161,10 @@ def test_version_guard_override_off(monkeypatch, value):
 @pytest.mark.parametrize("value", ["true", "Yes"])
 def test_version_guard_override_words(monkeypatch, value):
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist.versions import guard
 
-    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
-    monkeypatch.setenv(_versions.ALLOW_ENV, value)
+    monkeypatch.setattr(guard, "REQUIRED", {**guard.REQUIRED, "transformers": "<1"})
+    monkeypatch.setenv(guard.ALLOW_ENV, value)
     with pytest.warns(RuntimeWarning, match="patching anyway"):
         with pyvene_dist.patched():
             assert pyvene_dist.is_patched()
@@ -132,10 +172,10 @@ def test_version_guard_override_words(monkeypatch, value):
 
 def test_version_guard_refuses_other_override_values(monkeypatch):
     import pyvene_dist
-    from pyvene_dist import _versions
+    from pyvene_dist.versions import guard
 
-    monkeypatch.setattr(_versions, "REQUIRED", {**_versions.REQUIRED, "transformers": "<1"})
-    monkeypatch.setenv(_versions.ALLOW_ENV, "maybe")
+    monkeypatch.setattr(guard, "REQUIRED", {**guard.REQUIRED, "transformers": "<1"})
+    monkeypatch.setenv(guard.ALLOW_ENV, "maybe")
     with pytest.raises(ValueError) as error:
         pyvene_dist.patch()
     assert str(error.value).startswith("PYVENE_DIST_ALLOW_UNSUPPORTED='maybe': expected one of 1, true, yes, on")
@@ -218,6 +258,45 @@ def test_exclude_leaves_a_fix_out():
         assert _wrapped(IntervenableModel, "_remove_forward_hooks") and _wrapped(BaseModel, "named_parameters")
 
 
+#: (id, a second patch()'s arguments after patch(exclude=["fast_path"], cuda_graphs=False), the words of its
+#: error; None where they ask for what is in force). It returned quietly, leaving what it asked for unapplied.
+SECOND_PATCHES = [
+    ("bare", {}, None),
+    ("the-same", {"exclude": ["fast_path"], "cuda_graphs": False}, None),
+    ("the-same-fixes", {"exclude": ("fast_path",)}, None),  # cuda_graphs not asked for
+    ("allow-unsupported", {"allow_unsupported": True}, None),  # decides only whether the first call patched
+    ("exclude-another", {"exclude": ["householder", "fast_path"]}, "this call asks for no householder (applied). "),
+    ("include-it", {"only": ["fast_path"]}, "; the fixes fast_path (not applied). "),
+    ("excluding-nothing", {"exclude": []}, None),  # the default: asks for no fix in particular
+    ("only", {"only": ["locations"]}, "this call asks for no consistency, data_parallel,"),
+    ("an-option", {"exclude": ["fast_path"], "cuda_graphs": True}, "this call asks for cuda_graphs=True (False in "
+                                                                   "force). Call pyvene_dist.unpatch() first"),
+    ("only-unknown", {"only": ["tensor_paralel"]}, "only: unknown fix 'tensor_paralel'"),
+    ("exclude-unknown", {"exclude": ["tensor_paralel"]}, "exclude: unknown fix 'tensor_paralel'"),
+    ("misspelt-option", {"cuda_graph": False}, "pyvene_dist.patch() has no option 'cuda_graph'"),
+]
+
+
+def test_a_second_patch_asking_for_other_fixes_or_options_is_refused_naming_them():
+    """Table-driven in one test: one patch() in force for every case."""
+    import pyvene_dist
+    from pyvene_dist import _registry
+
+    pyvene_dist.patch(exclude=["fast_path"], cuda_graphs=False)
+    try:
+        applied, options = set(_registry.APPLIED.names), _registry.OPTIONS.current
+        for case, arguments, words in SECOND_PATCHES:
+            if words is None:
+                pyvene_dist.patch(**arguments)
+            else:
+                with pytest.raises((ValueError, TypeError)) as error:
+                    pyvene_dist.patch(**arguments)
+                assert words in str(error.value), f"{case}: {error.value}"
+            assert _registry.APPLIED.names == applied and _registry.OPTIONS.current is options, case  # as it was
+    finally:
+        pyvene_dist.unpatch()
+
+
 def test_excluding_a_fix_another_requires_names_both():
     import pyvene_dist
 
@@ -283,16 +362,16 @@ def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_
     import pyvene
 
     import pyvene_dist
-    from pyvene_dist import _fingerprints_table, _versions
+    from pyvene_dist.versions import guard, table
     from pyvene_dist.fixes import fixes
 
-    monkeypatch.setitem(_fingerprints_table.KNOWN, "pyvene.models.intervenable_base:BaseModel.named_parameters",
+    monkeypatch.setitem(table.KNOWN, "pyvene.models.intervenable_base:BaseModel.named_parameters",
                         {"0123456789abcdef": ("0.2.0",)})
-    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
+    monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
     monkeypatch.setattr(pyreft, "FIXES", frozenset(f.name for f in fixes() if "pyreft" in f.upstream), raising=False)
     carried = {fix.name for fix in fixes() if "pyvene" in fix.upstream}
     monkeypatch.setattr(pyvene, "FIXES", frozenset(carried - {"parameters"}), raising=False)
-    with pytest.raises(_versions.UnsupportedVersionError,
+    with pytest.raises(guard.UnsupportedVersionError,
                        match=r"^the fix 'parameters' depends on pyvene\.models\.intervenable_base:BaseModel\."
                              r"named_parameters, whose source here has the fingerprint e52cb39a23126512, and knows "
                              r"0123456789abcdef \(0\.2\.0\)\. Nothing was patched\. .*exclude=\['parameters'\]"):
@@ -305,14 +384,14 @@ def test_a_release_carrying_fixes_is_checked_only_against_the_fixes_it_does_not_
 def test_a_replaced_original_that_changed_is_refused_naming_the_fix(monkeypatch):
     import pyvene_dist
     from pyvene.models.intervenable_base import BaseModel, IntervenableModel
-    from pyvene_dist import _versions
+    from pyvene_dist.versions import guard
 
     def named_parameters(self, prefix="", recurse=True):  # what a new pyvene release might define
         return iter(())
 
     monkeypatch.setattr(BaseModel, "named_parameters", named_parameters)
-    monkeypatch.delenv(_versions.ALLOW_ENV, raising=False)
-    with pytest.raises(_versions.UnsupportedVersionError, match=r"fix 'parameters' replaces pyvene\.models\."
+    monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
+    with pytest.raises(guard.UnsupportedVersionError, match=r"fix 'parameters' replaces pyvene\.models\."
                                                                 r"intervenable_base:BaseModel\.named_parameters"):
         pyvene_dist.patch()
     assert not pyvene_dist.is_patched() and not _wrapped(IntervenableModel, "_remove_forward_hooks")
@@ -321,7 +400,7 @@ def test_a_replaced_original_that_changed_is_refused_naming_the_fix(monkeypatch)
             assert _wrapped(BaseModel, "named_parameters")
 
 
-def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
+def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself(tmp_path):
     """A fix of a module imported later (pyreft) whose site cannot be wrapped there: its place is pointed at a
     method the class lacks before ``patch()`` (records point at their wrappers, so none can go missing by name)."""
     code = (
@@ -346,15 +425,12 @@ def test_a_deferred_fix_that_fails_undoes_every_fix_and_names_itself():
         "assert not [finder for finder in sys.meta_path if type(finder).__name__ == 'ImportHook'], sys.meta_path\n"
         "assert vars(BaseModel)['named_parameters'] is original\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    forked(tmp_path, code=code)
 
 
 def test_no_fix_rebinds_a_module_global():
     """Runtime state lives in the model's state object and switches in ``_registry.OPTIONS``/``APPLIED``
     (docs/architecture.md): a ``global`` statement in a fix is state that outlives ``unpatch()``."""
-    import ast
-
     folder = Path(__file__).resolve().parents[1] / "pyvene_dist" / "fixes"
     found = [f"{path.name}:{node.lineno} global {', '.join(node.names)}"
              for path in sorted(folder.rglob("*.py"))
@@ -363,19 +439,25 @@ def test_no_fix_rebinds_a_module_global():
     assert not found, f"fixes rebinding module globals: {found}"
 
 
-def applied_checks(source: str, names: set[str]) -> set[str]:
-    """The fix names of ``names`` that ``source`` asks ``APPLIED`` about (``"hooks" in APPLIED``, ``not in``,
-    also through ``registry.applied``): the code that acts only where another fix is applied. No fix imports
-    another (tests/test_layout.py), so this is how one fix's code depends on another's being there."""
-    import ast
+def _named(node) -> str | None:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
 
+
+def applied_checks(source: str, names: set[str]) -> set[str]:
+    """The fix names of ``names`` that ``source`` asks about: ``applied("hooks", by=FIX)`` (``_registry.applied``,
+    also as ``_registry.applied(...)``), and the membership tests it replaced (``"hooks" in APPLIED``, ``not in``),
+    should one come back: the code that acts only where another fix is applied. No fix imports another
+    (tests/test_layout.py), so this is how one fix's code depends on another's being there."""
     found = set()
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))):
+        if isinstance(node, ast.Call) and _named(node.func) == "applied" and node.args:
+            target = node.args[0]
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and _named(node.comparators[0]) in ("APPLIED", "applied"):
+            target = node.left
+        else:
             continue
-        target, (container,) = node.left, node.comparators
-        named = container.id if isinstance(container, ast.Name) else getattr(container, "attr", None)
-        if named in ("APPLIED", "applied") and isinstance(target, ast.Constant) and target.value in names:
+        if isinstance(target, ast.Constant) and target.value in names:
             found.add(target.value)
     return found
 
@@ -415,9 +497,62 @@ def test_each_fix_records_the_fixes_its_code_uses():
 
 
 def test_a_use_of_another_fix_is_found():
-    source = ('if "hooks" in APPLIED and "devices" not in registry.applied:\n    pass\n'
-              'x = "locations" in names\ny = "zero_grad" in APPLIED\n')
-    assert applied_checks(source, {"hooks", "devices", "locations", "orthogonal"}) == {"hooks", "devices"}
+    source = ('if applied("hooks", by=FIX) and not _registry.applied("devices", by=FIX):\n    pass\n'
+              'x = "locations" in names\ny = applied("zero_grad", by=FIX)\nz = "orthogonal" in APPLIED\n'
+              'w = applied(FIX.name, by=FIX)\n')
+    assert applied_checks(source, {"hooks", "devices", "locations", "orthogonal"}) == {"hooks", "devices", "orthogonal"}
+
+
+def test_no_fix_asks_about_another_by_membership():
+    """A fix asks ``_registry.applied(name, by=FIX)``, which refuses a name its record does not declare, never
+    ``name in APPLIED``, which answers for any (``data_parallel``, ``fsdp`` and ``orthogonal`` asked so)."""
+    folder = Path(__file__).resolve().parents[1] / "pyvene_dist" / "fixes"
+    found = [f"{path.relative_to(folder)}:{node.lineno}" for path in sorted(folder.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Compare) and any(_named(c) == "APPLIED" for c in node.comparators)]
+    assert not found, f"fixes asking `in APPLIED` rather than _registry.applied(name, by=FIX): {found}"
+
+
+def test_asking_about_a_fix_the_record_does_not_declare_is_refused(monkeypatch):
+    from pyvene_dist import _registry
+    from pyvene_dist._records import Fix
+
+    record = Fix("pyvene_dist.fixes.asker", sites=(), requires=("hooks",), after=("consistency",))
+    monkeypatch.setattr(_registry.APPLIED, "names", {"hooks", "asker"})
+    assert _registry.applied("hooks", by=record) and _registry.applied("asker", by=record)
+    assert not _registry.applied("consistency", by=record)
+    with pytest.raises(_registry.FixError, match=r"the fix 'asker' asks whether 'devices' is applied, which its "
+                                                 r"record does not declare: requires=\('hooks',\), after="):
+        _registry.applied("devices", by=record)
+
+
+def test_a_site_is_its_owner_where_the_fix_can_import_it_and_a_name_only_where_it_is_imported_later():
+    """Sites of torch, transformers and pyvene are given as ``(owner, "attribute")`` (re-exports and ``relies_on``
+    as objects), so that ``patch()`` resolves none by name and a reader follows each to the code; only the modules
+    patched when they are imported (``_records.IMPORTED_LATER``: pyreft, ``transformers.trainer``, accelerate,
+    deepspeed) are named. At 2ba72c5 every site was a ``"module:attr"`` string that ``_records`` imported."""
+    from pyvene_dist import fixes
+
+    named = sorted(f"{fix.name}: {place.path}" for fix in fixes.fixes() for place in fix.places
+                   if (place.holder is None) != place.imported_later)
+    assert not named, f"sites named that the fix could import, or held that are imported later: {named}"
+
+
+def test_a_sites_path_is_derived_from_its_owner():
+    from pyvene.models import modeling_utils
+    from pyvene.models.intervenable_base import BaseModel
+
+    from pyvene_dist._records import Fix, Site
+
+    def wrapper(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    assert Site((BaseModel, "zero_grad"), wrapper).path == "pyvene.models.intervenable_base:BaseModel.zero_grad"
+    assert Site((modeling_utils, "do_intervention"), wrapper).path == "pyvene.models.modeling_utils:do_intervention"
+    assert Fix("fixes.example", sites=(), relies_on=(BaseModel.zero_grad,)).relies_on == (
+        "pyvene.models.intervenable_base:BaseModel.zero_grad",)
+    with pytest.raises(TypeError, match=r"Site owner <function .*>: expected a module or a class"):
+        Site((wrapper, "x"), wrapper)
 
 
 def test_no_fix_copies_a_reexport_site_by_hand():
@@ -468,16 +603,48 @@ def test_a_reexport_that_became_a_definition_of_its_own_is_refused(monkeypatch):
         fix.patch(undo_log, ImportHooks(undo=undo_log.restore))
     undo_log.restore()
     assert defining.f is original and reexporting.f is its_own
-    with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of module names"):
+    with pytest.raises(TypeError, match=r"reexported_in='pyvene_dist_reexports', expected a tuple of modules"):
         Site(f"{defining.__name__}:f", original, reexported_in=reexporting.__name__)
+    with pytest.raises(TypeError, match=r"reexported_in=<module 'pyvene_dist_reexports'>, expected a tuple of modules"):
+        Site((defining, "f"), original, reexported_in=reexporting)
 
 
-def test_unpatch_takes_off_every_import_hook_patch_installed():
+def test_a_reexport_given_as_objects_is_patched_and_restored_in_each_module(monkeypatch):
+    """The same site as ``(owner, "attribute")`` with the re-exporting module itself: nothing is looked up by name,
+    and a re-export that became a definition of its own is still refused."""
+    import types
+
+    from pyvene_dist._records import Fix, Site
+    from pyvene_dist._registry import FixError, ImportHooks, UndoLog
+
+    def original():
+        return "original"
+
+    defining, reexporting = types.ModuleType("pyvene_dist_defines"), types.ModuleType("pyvene_dist_reexports")
+    defining.f = reexporting.f = original  # neither in sys.modules: found through the objects only
+    fix = Fix("tests.reexport", sites=(Site((defining, "f"), lambda wrapped, instance, args, kwargs: "fixed",
+                                            reexported_in=(reexporting,)),))
+    assert [(place.path, place.holder, place.source) for place in fix.places] == [
+        ("pyvene_dist_defines:f", defining, None), ("pyvene_dist_reexports:f", reexporting, defining)]
+    undo_log = UndoLog()
+    fix.patch(undo_log, ImportHooks(undo=undo_log.restore))
+    assert defining.f() == reexporting.f() == "fixed"
+    undo_log.restore()
+    assert defining.f is original and reexporting.f is original
+    reexporting.f = lambda: "its own"
+    with pytest.raises(FixError, match=r"pyvene_dist_reexports:f is not pyvene_dist_defines's f re-exported"):
+        fix.patch(undo_log, ImportHooks(undo=undo_log.restore))
+    undo_log.restore()
+
+
+def test_unpatch_takes_off_every_import_hook_patch_installed(tmp_path):
     """Before pyreft's import, patch() waits for it with a finder on sys.meta_path; unpatch() leaves sys.meta_path
     and wrapt's post-import hooks as patch() found them (wrapt's hooks could not be unregistered), and pyreft
     imported then is pyreft's own."""
     code = (
         "import sys, wrapt.importer as importer, pyvene_dist, pyvene, transformers  # their finders come with them\n"
+        # the optional extras' sites (_records.IMPORTED_LATER) imported first: patch() waits for pyreft alone
+        "import accelerate.utils.fsdp_utils, deepspeed.runtime.engine\n"
         "meta_path, hooks = list(sys.meta_path), {k: list(v) for k, v in importer._post_import_hooks.items()}\n"
         "pyvene_dist.patch()\n"
         "added = [finder for finder in sys.meta_path if finder not in meta_path]\n"
@@ -496,8 +663,7 @@ def test_unpatch_takes_off_every_import_hook_patch_installed():
         "assert sys.meta_path == meta_path\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+    assert forked(tmp_path, code=code).strip().endswith("ok")
 
 
 def test_a_fix_applied_apart_from_patch_changes_only_the_undo_log_it_is_handed():

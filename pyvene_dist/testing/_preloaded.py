@@ -30,6 +30,8 @@ import threading
 from multiprocessing import context as _context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 
+import torch
+
 from .._options import switch
 
 #: What the server imports once: what a rank imports before its first line (``_preload`` names them).
@@ -52,8 +54,6 @@ def _now() -> tuple:
 
 
 def _cuda() -> bool:
-    import torch  # the ranks' own import: this module is imported before torch where the plugin loads it
-
     return torch.cuda.is_available()
 
 

@@ -28,6 +28,11 @@ class Tolerance:
     #: a final weight may then also be off by 2 x lr for each step in which the reference's gradient of
     #: that element was within ``rtol`` of its tensor's largest (see ``comparison._sign_noise_allowance``).
     adam_lr: float = 0.0
+    #: AdamW's learning rate, where a final weight may differ by what AdamW makes of the two runs' own gradients
+    #: (each pair within ``rtol``): AdamW divides each element's step by its gradient's root mean square, so the
+    #: step of an element whose gradient is near zero follows that gradient's rounding, not its size
+    #: (``comparison.adam_response``). ``pyvene-dist check`` judges a user's model so.
+    adam_response_lr: float = 0.0
 
 
 TOLERANCES = MappingProxyType({

@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 
 from . import models
@@ -28,8 +29,6 @@ WEIGHT_FILES = (
 
 def model_config(path: str | Path):
     """The HF config of a local model; ``ValueError`` naming the path and what was expected otherwise."""
-    from transformers import AutoConfig
-
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory")
@@ -38,7 +37,7 @@ def model_config(path: str | Path):
     if path.is_file() and path.suffix != ".json":
         raise ValueError(f"{path} is neither a directory with config.json nor a config .json file")
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = transformers.AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"{path}: not a transformers config ({error})") from None
     for name, value in config.to_dict().items():
@@ -78,13 +77,11 @@ class CheckCase(ParityCase):
     def base_model(self) -> nn.Module:
         if not self.local:
             return super().base_model()
-        from transformers import AutoModelForCausalLM
-
         config = model_config(self.model)
-        if has_weights(self.model):
-            model = AutoModelForCausalLM.from_pretrained(self.model, config=config)
+        if has_weights(self.model):  # in the case's dtype as it loads: a ZeRO-3 partition is not cast after
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.model, config=config, dtype=self.torch_dtype)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                model = AutoModelForCausalLM.from_config(config)
+                model = transformers.AutoModelForCausalLM.from_config(config)
         return model.to(self.torch_dtype)

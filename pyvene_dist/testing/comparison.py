@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._optional import DEEPSPEED_INSTALL, OnFirstUse
 from .case import Record, Tensors, Tolerance
+
+zero_utils = OnFirstUse("deepspeed.utils", DEEPSPEED_INSTALL)  # optional (the deepspeed extra): where it runs
 
 
 def trained_parameters(model: nn.Module):
@@ -30,9 +33,7 @@ def intervention_grads(model: nn.Module) -> Tensors:
         if parameter.requires_grad:
             grad = parameter.grad
             if grad is None and "deepspeed" in sys.modules:
-                from deepspeed.utils import safe_get_full_grad
-
-                grad = safe_get_full_grad(parameter)
+                grad = zero_utils.safe_get_full_grad(parameter)
             if grad is None:
                 raise AssertionError(f"trained parameter {name} received no gradient")
             grads[name] = _whole(grad).detach().float().cpu().clone()
@@ -45,9 +46,7 @@ def intervention_weights(model: nn.Module) -> Tensors:
     weights = {}
     for name, parameter in trained_parameters(model):
         if hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping"):
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            parameter = safe_get_full_fp32_param(parameter)
+            parameter = zero_utils.safe_get_full_fp32_param(parameter)
         weights[name] = _whole(parameter).detach().float().cpu().clone()
     return weights
 
@@ -63,15 +62,23 @@ class Differences:
     loss: float
     grad: float
     weight: float
+    #: With ``adam_lr``: the largest final-weight difference once AdamW's response to the two runs' recorded
+    #: gradients is taken out (``adam_response``); None without.
+    weight_beyond_adam: float | None = None
 
 
-def differences(reference: Record, candidate: Record) -> Differences:
+def differences(reference: Record, candidate: Record, *, adam_lr: float = 0.0) -> Differences:
     _check_same_shape(reference, candidate)
     loss = max((abs(a - b) for a, b in zip(reference.losses, candidate.losses)), default=0.0)
     grad = max((_relative(r, c) for rs, cs in zip(reference.grads, candidate.grads) for r, c in _pairs(rs, cs)),
                default=0.0)
     weight = max((_relative(r, c) for r, c in _pairs(reference.weights, candidate.weights)), default=0.0)
-    return Differences(loss, grad, weight)
+    beyond = None
+    if adam_lr and reference.grads and len(reference.grads) == len(candidate.grads):
+        beyond = max((_relative(reference.weights[name], candidate.weights[name]
+                                - adam_response(reference, candidate, name, lr=adam_lr))
+                      for name in sorted(reference.weights) if name in reference.grads[0]), default=0.0)
+    return Differences(loss, grad, weight, beyond)
 
 
 def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *, grads: bool = True) -> None:
@@ -98,7 +105,38 @@ def assert_parity(reference: Record, candidate: Record, tolerance: Tolerance, *,
         if tolerance.adam_lr:
             allowed = _sign_noise_allowance(reference, name, tolerance) + tolerance.rtol * (e.abs().max() + e.abs())
             a = torch.where((a - e).abs() <= allowed, e, a)
+        if tolerance.adam_response_lr:
+            a = a - adam_response(reference, candidate, name, lr=tolerance.adam_response_lr)
         _assert_close(a, e, tolerance, f"{label}: final weight {name}")
+
+
+#: torch's AdamW defaults, which the harness and HF Trainer's adamw_torch use.
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+
+
+def adam_response(reference: Record, candidate: Record, name: str, *, lr: float, betas=ADAM_BETAS,
+                  eps: float = ADAM_EPS) -> torch.Tensor:
+    """What AdamW's steps, fed each run's own recorded gradients of ``name``, move the candidate's weight by beyond
+    the reference's: ``sum_t lr * (m_c / (sqrt(v_c) + eps) - m_r / (sqrt(v_r) + eps))`` with the bias-corrected
+    moments of each side, in float64. Weight decay's term is left out: ``lr * decay * (w_c - w_r)`` is second order.
+
+    The step divides each element's first moment by the root of its second: a gradient element of 1e-12 against a
+    reference of 0 (rounding) moves that weight by ``lr * 1e-12 / (1e-12 + eps)``, 1e-4 x lr, which a relative bound
+    on the weights reads as a fault, while the gradients themselves agree within it."""
+    (beta1, beta2), moved = betas, None
+    moments = {"c": [0.0, 0.0], "r": [0.0, 0.0]}
+    for step, (expected, actual) in enumerate(zip(reference.grads, candidate.grads), start=1):
+        steps = {}
+        for side, grad in (("r", expected[name].double()), ("c", actual[name].double())):
+            first, second = moments[side]
+            first, second = beta1 * first + (1 - beta1) * grad, beta2 * second + (1 - beta2) * grad * grad
+            moments[side] = [first, second]
+            steps[side] = lr * (first / (1 - beta1 ** step)) / ((second / (1 - beta2 ** step)).sqrt() + eps)
+        difference = steps["r"] - steps["c"]  # the weight moves against the step
+        moved = difference if moved is None else moved + difference
+    if moved is None:
+        raise AssertionError(f"{reference.strategy} recorded no gradients: Tolerance.adam_response_lr needs both runs'")
+    return moved.float()
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, what: str) -> None:

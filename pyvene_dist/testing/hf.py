@@ -10,9 +10,14 @@ Launched by torchrun, the same call is the distributed run: HF Trainer shards th
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import transformers
+# accelerate, optional elsewhere, is HF Trainer's own requirement; TrainingArguments imports it already.
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainingArguments
 
@@ -20,6 +25,7 @@ from ..optim import param_groups
 from .case import ParityCase, Record
 from .comparison import intervention_grads, intervention_weights
 from .models import import_pyreft
+from .strategies import deepspeed_config  # noqa: F401 -- HF Trainer's config, named here too
 
 
 def examples(case: ParityCase, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
@@ -85,27 +91,6 @@ def training_arguments(case: ParityCase, output_dir: str, world_size: int, **ove
     return TrainingArguments(**arguments)
 
 
-def deepspeed_config(stage: str) -> dict:
-    """An HF Trainer DeepSpeed config for ZeRO ``stage`` ("1", "2", "3", "3-offload"), sizes and bf16 left to "auto"."""
-    level, _, offload = stage.partition("-")
-    zero: dict[str, Any] = {"stage": int(level)}
-    if level == "3":
-        zero["stage3_param_persistence_threshold"] = 0  # partition everything, interventions included
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
-        if level == "3":
-            zero["offload_param"] = {"device": "cpu"}
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},  # filled in by TrainingArguments, before from_pretrained runs zero.Init
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-    }
-
-
 def train_with_trainer(
     case: ParityCase,
     output_dir: str,
@@ -157,8 +142,6 @@ def train_with_accelerate(case: ParityCase, accelerator=None) -> Record:
     of the whole step, counted on every process before the step's first forward, times the accumulation
     steps and the processes that the division and the average undo. The recorded loss is the step's mean.
     """
-    from accelerate import Accelerator
-
     accelerator = accelerator or Accelerator(gradient_accumulation_steps=case.accumulation)
     _check_accumulation(accelerator, case)
     if case.batch_size % accelerator.num_processes:
@@ -207,17 +190,15 @@ def _check_accumulation(accelerator, case: ParityCase) -> None:
                          f"{case.accumulation})")
 
 
-def fsdp_on_cpu() -> None:
+def fsdp_on_cpu() -> Callable[[], None]:
     """Make accelerate apply HF Trainer's FSDP plugin on CPU: ``AcceleratorState`` takes it only in a GPU world
     type, which it copies from ``PartialState`` when made. That type reads as ``MULTI_GPU`` while HF Trainer makes
     its accelerator (the device stays the CPU), and as before after. With it, HF Trainer (under torchrun or
     ``accelerate launch --config_file docs/configs/accelerate-fsdp2.yaml``) shards, mixes precision, saves and
-    resumes as on GPUs: accelerate's ``fsdp2_prepare_model``, DCP checkpoints."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-    from transformers import Trainer
-
-    make = Trainer.create_accelerator_and_postprocess
+    resumes as on GPUs: accelerate's ``fsdp2_prepare_model``, DCP checkpoints. Sets ``PYVENE_DIST_FSDP_ON_CPU``,
+    which tells sharded loading that FSDP shards here (without it, FSDP flags on a CPU machine load whole, since
+    accelerate would train DDP). Returns a function that undoes both (a process that trains again without FSDP)."""
+    make = transformers.Trainer.create_accelerator_and_postprocess  # transformers.trainer: imported here, when used
 
     def create_accelerator_and_postprocess(self, *args, **kwargs):
         shared = PartialState._shared_state
@@ -227,4 +208,14 @@ def fsdp_on_cpu() -> None:
         finally:
             shared["distributed_type"] = world_type
 
-    Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    transformers.Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    before = os.environ.get("PYVENE_DIST_FSDP_ON_CPU")
+    os.environ["PYVENE_DIST_FSDP_ON_CPU"] = "1"  # fixes/sharded_loading.py: FSDP_ON_CPU
+
+    def undo() -> None:
+        transformers.Trainer.create_accelerator_and_postprocess = make
+        if before is None:
+            os.environ.pop("PYVENE_DIST_FSDP_ON_CPU", None)
+        else:
+            os.environ["PYVENE_DIST_FSDP_ON_CPU"] = before
+    return undo

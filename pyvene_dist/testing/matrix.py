@@ -18,6 +18,7 @@ import functools
 from types import MappingProxyType
 
 import torch
+from pyvene.models.intervenable_modelcard import type_to_module_mapping
 
 from . import models
 
@@ -41,8 +42,6 @@ def _model_class(architecture: str) -> type:
 
 def components(architecture: str) -> tuple[str, ...]:
     """Every component pyvene maps for ``architecture`` (its ``type_to_module_mapping``), in its order."""
-    from pyvene.models.intervenable_modelcard import type_to_module_mapping
-
     return tuple(type_to_module_mapping[_model_class(architecture)])
 
 
@@ -88,9 +87,7 @@ class Configuration:
 
     @property
     def first_last(self) -> tuple[int, int]:
-        from pyreft.dataset import parse_positions
-
-        return parse_positions(self.positions)
+        return models.import_pyreft().parse_positions(self.positions)
 
     @property
     def intervened_layers(self) -> tuple[int, ...]:
@@ -112,9 +109,8 @@ class Configuration:
     def batch(self) -> dict:
         """``base`` (input ids, attention mask), ``labels`` (the second half of each example's tokens, -100
         elsewhere: no masked position predicts a label) and ``unit_locations``."""
-        from pyreft.dataset import get_intervention_locations
-
         first_n, last_n = self.first_last
+        get_intervention_locations = models.import_pyreft().get_intervention_locations
         generator = torch.Generator().manual_seed(self.seed + 2)
         width = max(self.lengths) + 1
         input_ids = torch.full((len(self.lengths), width), PAD)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..fully_shard import fully_shard_model
 from . import models
@@ -108,9 +109,6 @@ class HSDP(TensorParallel):
 def parallelize_by_hand(base: nn.Module, tp_mesh) -> nn.Module:
     """torch's ``parallelize_module`` over ``tp_mesh``, with the styles the model's ``base_model_tp_plan`` names
     (``colwise``, ``rowwise``): what a user who does not load through ``from_pretrained`` writes."""
-    # Here: torch.distributed.tensor takes 0.9 s to import, which every rank importing the harness would pay.
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = getattr(base.config, "base_model_tp_plan", None) or {}
     prefix = base.base_model_prefix

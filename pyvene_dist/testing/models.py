@@ -1,8 +1,9 @@
 """Tiny models built from configs (nothing is downloaded) and ReFT models on top of them.
 
-transformers' model classes are imported by the builder that uses them: each loads its architecture's modules
-(seconds for all of them), and every rank of the harness and every ``pyvene-dist`` command imports this module.
-pyvene and pyreft likewise, where used (pyvene prints on import, onto the commands' output).
+Every rank of the harness and every ``pyvene-dist`` command imports this module: transformers' model classes
+are read from its lazy top-level module by the builder that uses them (``transformers.LlamaForCausalLM``), so
+that each loads its own architecture's modules only (seconds for all of them). pyvene is imported where used (it
+prints on import, onto the commands' output), and pyreft, optional, through ``import_pyreft``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import tokenizers
+import transformers
+
+from .._optional import REFT_INSTALL, import_pyreft  # noqa: F401 -- the harness's and tests' names for them
 
 VOCAB_SIZE = 97
 #: The fewest heads (key/value heads) of the tiny models: head-level locations name one of these.
@@ -27,33 +32,30 @@ ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 
 def tiny_llama(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                attention: str = "eager"):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _build(LlamaForCausalLM, LlamaConfig(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
+    config = transformers.LlamaConfig(**_tiny_decoder(layers, hidden))
+    return _build(transformers.LlamaForCausalLM, config, seed, dtype, attention)
 
 
 def tiny_qwen2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                attention: str = "eager"):
     """A Qwen2-class model (biases on q, k, v) of the tiny Llama's shape."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return _build(Qwen2ForCausalLM, Qwen2Config(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
+    config = transformers.Qwen2Config(**_tiny_decoder(layers, hidden))
+    return _build(transformers.Qwen2ForCausalLM, config, seed, dtype, attention)
 
 
 def tiny_mistral(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                  attention: str = "eager"):
-    from transformers import MistralConfig, MistralForCausalLM
 
-    return _build(MistralForCausalLM, MistralConfig(**_tiny_decoder(layers, hidden)), seed, dtype, attention)
+    config = transformers.MistralConfig(**_tiny_decoder(layers, hidden))
+    return _build(transformers.MistralForCausalLM, config, seed, dtype, attention)
 
 
 def tiny_gemma2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                 attention: str = "eager"):
     """A Gemma2 (sliding-window and global layers alternating, logits soft-capped) of the tiny Llama's shape."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(**_tiny_decoder(layers, hidden), head_dim=hidden // 4, sliding_window=8)
-    return _build(Gemma2ForCausalLM, config, seed, dtype, attention)
+    config = transformers.Gemma2Config(**_tiny_decoder(layers, hidden), head_dim=hidden // 4, sliding_window=8)
+    return _build(transformers.Gemma2ForCausalLM, config, seed, dtype, attention)
 
 
 def _tiny_decoder(layers: int, hidden: int) -> dict:
@@ -71,9 +73,8 @@ def _tiny_decoder(layers: int, hidden: int) -> dict:
 
 def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
               attention: str = "eager"):
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
+    config = transformers.GPT2Config(
         vocab_size=VOCAB_SIZE,
         n_embd=hidden,
         n_layer=layers,
@@ -83,15 +84,13 @@ def tiny_gpt2(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int 
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    return _build(GPT2LMHeadModel, config, seed, dtype, attention)
+    return _build(transformers.GPT2LMHeadModel, config, seed, dtype, attention)
 
 
 def tiny_gpt_neox(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                   attention: str = "eager"):
     """A GPT-NeoX (Pythia's architecture: parallel attention and MLP, fused query/key/value)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    config = GPTNeoXConfig(
+    config = transformers.GPTNeoXConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -104,26 +103,22 @@ def tiny_gpt_neox(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: 
         bos_token_id=1,  # GPT-NeoX's own 0 and 50256 lie outside the tiny vocabulary
         eos_token_id=2,
     )
-    return _build(GPTNeoXForCausalLM, config, seed, dtype, attention)
+    return _build(transformers.GPTNeoXForCausalLM, config, seed, dtype, attention)
 
 
 def tiny_llama_classifier(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                           attention: str = "eager"):
     """A tiny Llama with a 3-way classification head; token 0 is padding (the head pools the last other)."""
-    from transformers import LlamaForSequenceClassification
-
     config = tiny_llama(seed=seed, layers=layers, hidden=hidden).config
     config.num_labels = NUM_LABELS
     config.pad_token_id = 0
-    return _build(LlamaForSequenceClassification, config, seed, dtype, attention)
+    return _build(transformers.LlamaForSequenceClassification, config, seed, dtype, attention)
 
 
 def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 22, hidden: int = 2048,
              attention: str = "eager"):
     """TinyLlama-1.1B's shape (1.1B parameters, vocabulary 32000), built from a config with random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=5632 * hidden // 2048,
@@ -133,7 +128,7 @@ def llama_1b(*, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int =
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    return _build(LlamaForCausalLM, config, seed, dtype, attention)
+    return _build(transformers.LlamaForCausalLM, config, seed, dtype, attention)
 
 
 #: Llama shapes the benchmarks build (``llama``): a tiny one, and released models' shapes with random weights.
@@ -154,12 +149,11 @@ def llama(shape: str, *, dtype: torch.dtype, device, attention: str = "sdpa", ch
     """A Llama of ``shape`` (a key of ``LLAMA_SHAPES``), its random weights made on ``device`` in ``dtype``;
     ``checkpointing``: non-reentrant activation checkpointing of every decoder layer; ``layers``: that many
     decoder layers instead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if shape not in LLAMA_SHAPES:
         raise ValueError(f"model shape {shape!r} is not one of {sorted(LLAMA_SHAPES)}")
-    config = LlamaConfig(**{**LLAMA_SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})})
-    model = _build(LlamaForCausalLM, config, seed, dtype, attention, device=device)
+    shape_and_layers = {**LLAMA_SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})}
+    config = transformers.LlamaConfig(**shape_and_layers)
+    model = _build(transformers.LlamaForCausalLM, config, seed, dtype, attention, device=device)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -217,9 +211,7 @@ def reload_pretrained(model, **from_pretrained_kwargs):
 
 
 def _zero3_enabled() -> bool:
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    return is_deepspeed_zero3_enabled()
+    return transformers.integrations.is_deepspeed_zero3_enabled()  # loaded by the model classes
 
 
 def reft_model(
@@ -257,37 +249,19 @@ def reft_model(
 def component_width(base, component: str) -> int:
     """The last dimension of the representation at ``component``: the hidden size for the residual stream,
     a projection's width for ``query_output`` and the like, one head's for ``head_*`` components."""
-    from pyvene.models.constants import CONST_INPUT_HOOK
-    from pyvene.models.modeling_utils import (
-        get_dimension_by_component, get_internal_model_type, getattr_for_torch_module, type_to_module_mapping,
-    )
+    from pyvene.models import constants, modeling_utils  # here: pyvene prints on import
 
-    model_type = get_internal_model_type(base)
-    if component not in type_to_module_mapping.get(model_type, {}):  # a module path: the residual width
+    model_type = modeling_utils.get_internal_model_type(base)
+    if component not in modeling_utils.type_to_module_mapping.get(model_type, {}):  # a module path: the residual width
         return base.config.hidden_size
-    path, hook, *splits = type_to_module_mapping[model_type][component]
-    module = getattr_for_torch_module(base, path % 0 if "%s" in path else path)
+    path, hook, *splits = modeling_utils.type_to_module_mapping[model_type][component]
+    module = modeling_utils.getattr_for_torch_module(base, path % 0 if "%s" in path else path)
     if not isinstance(module, torch.nn.Linear):
-        return int(get_dimension_by_component(model_type, base.config, component))
-    width = module.in_features if hook == CONST_INPUT_HOOK else module.out_features
+        return int(modeling_utils.get_dimension_by_component(model_type, base.config, component))
+    width = module.in_features if hook == constants.CONST_INPUT_HOOK else module.out_features
     for _, heads in splits:
-        width //= int(get_dimension_by_component(model_type, base.config, heads))
+        width //= int(modeling_utils.get_dimension_by_component(model_type, base.config, heads))
     return width
-
-
-#: How to install pyreft: its runtime needs from the extra, then pyreft alone (its own requirements pin
-#: transformers 4.45.1 and pull in jupyter and wandb, none of which it imports).
-REFT_INSTALL = 'pip install "pyvene_dist[reft]" && pip install --no-deps pyreft==0.1.0'
-
-
-def import_pyreft():
-    try:
-        import pyreft
-    except ImportError as exc:
-        raise ImportError(
-            f"pyvene_dist.testing builds ReFT models with pyreft, which is not installed: {REFT_INSTALL}"
-        ) from exc
-    return pyreft
 
 
 #: Words the checkpoints' tokenizers learn whole (``save_checkpoint``'s and the workload suite's): every example
@@ -298,28 +272,28 @@ WORDS = ("red", "green", "blue", "cat", "dog", "bird", "runs", "jumps", "sits", 
 
 
 def save_checkpoint(folder, *, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    intermediate: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A checkpoint folder as users bring one: a Llama (random weights from ``seed``) and a real byte-level
-    BPE tokenizer trained on ``WORDS`` with the ``tokenizers`` package, both written with
+                    intermediate: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    positions: int = 128):
+    """A checkpoint folder as users bring one: a Llama (random weights from ``seed``, ``positions`` positions) and
+    a real byte-level BPE tokenizer trained on ``WORDS`` with the ``tokenizers`` package, both written with
     ``save_pretrained``; ``AutoTokenizer`` and ``AutoModelForCausalLM`` load it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    bpe.decoder = decoders.ByteLevel()
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    bpe.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="<pad>", model_max_length=128)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    bpe.train_from_iterator([" ".join(WORDS)] * 4, tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
+                                                     eos_token="</s>", pad_token="<pad>", model_max_length=positions)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,
+                                      intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=positions, tie_word_embeddings=False,
+                                      bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(dtype)
+        model = transformers.LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -14,10 +14,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import save_file
 from torch import nn
 
+from .._optional import DEEPSPEED_INSTALL, OnFirstUse
 from .check_runs import CheckCase, has_weights
+
+deepspeed = OnFirstUse("deepspeed", DEEPSPEED_INSTALL)  # optional: the deepspeed extra, where it partitioned a model
 
 #: What ``quantize`` may name: bitsandbytes' 4-bit (nf4) and 8-bit (LLM.int8) linear layers.
 QUANTIZE = ("4bit", "8bit")
@@ -27,13 +31,11 @@ def bits_and_bytes_config(quantize: str, dtype: torch.dtype, storage: torch.dtyp
     """The ``BitsAndBytesConfig`` a user passes for ``quantize``: nf4 computing in ``dtype`` with its packed
     storage in ``dtype`` too (FSDP and ZeRO-3 then shard the 4-bit weights as any tensor of the model's
     dtype, as FSDP-QLoRA does), or LLM.int8."""
-    from transformers import BitsAndBytesConfig
-
     if quantize == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                  bnb_4bit_quant_storage=storage or dtype)
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage or dtype)
     if quantize == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
     raise ValueError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE)}")
 
 
@@ -47,18 +49,17 @@ class QuantizedCase(CheckCase):
     storage: str | None = None  # 4-bit: the dtype bitsandbytes packs into; None: the case's dtype
 
     def base_model(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize {self.quantize!r} is not one of {', '.join(QUANTIZE)}")
         config = bits_and_bytes_config(self.quantize, self.torch_dtype,
                                        getattr(torch, self.storage) if self.storage else None)
         if self.local and has_weights(self.model):
-            return AutoModelForCausalLM.from_pretrained(self.model, quantization_config=config,
-                                                        dtype=self.torch_dtype)
+            return transformers.AutoModelForCausalLM.from_pretrained(self.model, quantization_config=config,
+                                                                     dtype=self.torch_dtype)
         with tempfile.TemporaryDirectory(prefix="pyvene-dist-quantized") as folder:
             _save(self.plain_base(), Path(folder))
-            return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=self.torch_dtype)
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config,
+                                                                     dtype=self.torch_dtype)
 
     def plain_base(self) -> nn.Module:
         """The base model before quantization (the weights ``base_model`` quantizes)."""
@@ -71,8 +72,6 @@ def _save(model: nn.Module, folder: Path) -> None:
     a model that HF's ZeRO-3 config built partitioned is gathered first."""
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]  # built under HF's ZeRO-3 config
     if partitioned:
-        import deepspeed
-
         gathered = deepspeed.zero.GatheredParameters(partitioned)
     else:
         gathered = contextlib.nullcontext()

@@ -10,10 +10,19 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ..fully_shard import fully_shard_model, layer_classes
+from ..loading import has_safetensors, report, sharded
+from .._optional import ACCELERATE_INSTALL, DEEPSPEED_INSTALL, OnFirstUse
 from ..optim import param_groups
+
+# Optional (requirements.py skips their strategies): imported by those strategies alone.
+deepspeed = OnFirstUse("deepspeed", DEEPSPEED_INSTALL)
+accelerate = OnFirstUse("accelerate", ACCELERATE_INSTALL)
 
 if TYPE_CHECKING:
     from .case import ParityCase
@@ -123,9 +132,21 @@ class DDP(Strategy):
 
 
 class FSDP2(DDP):
-    """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fully_shard.fully_shard_model``)."""
+    """``fully_shard`` on every decoder layer and on the whole model (``pyvene_dist.fully_shard.fully_shard_model``).
+    A model folder of safetensors is loaded sharded (``pyvene_dist.loading.sharded``): on the meta device, each rank
+    reading its shards when ``fully_shard`` has run."""
 
     name = "fsdp2"
+
+    def build(self, case):
+        if not reads_in_parts(case, quantized=("4bit",)):
+            return case.build()
+        with sharded():
+            return case.build()
+
+    def place(self, model):
+        load = report(model)
+        return model if load is not None and load.pending else super().place(model)  # fully_shard places it
 
     def prepare(self, model, optimizer, case):
         # fully_shard replaces the base model's parameters with sharded ones (a trainable head's too): the
@@ -143,10 +164,6 @@ class FSDP1(DDP):
     name = "fsdp1"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        # Here, as in fully_shard_model: torch.distributed.fsdp imports torch.distributed.tensor (0.9 s).
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
         names = layer_classes(model)
         classes = {type(module) for module in model.modules() if type(module).__name__ in names}
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy(classes), device_id=self.device)
@@ -172,6 +189,20 @@ class DeepSpeed(DDP):
         self.stage, self.offload, self.zero, self.nvme_path = stage, offload, dict(zero or {}), nvme_path
         self.name = f"zero{stage}" + {None: "", "cpu": "-offload", "nvme": "-nvme"}[offload]
         self.engine = None
+
+    def build(self, case):
+        """A model folder of safetensors under ZeRO-3 is built partitioned (transformers' ``zero.Init``, as under
+        HF Trainer), each rank copying its partitions from the files (``pyvene_dist.loading``)."""
+        if self.stage != 3 or self.offload == "nvme" or not reads_in_parts(case):
+            return case.build()
+        config = self.engine_config(case)
+        # from_pretrained builds under zero.Init while it lives (transformers' integrations: imported on first use)
+        held = transformers.integrations.HfDeepSpeedConfig(config)
+        try:
+            return case.build()
+        finally:
+            del held
+            transformers.integrations.unset_hf_deepspeed_config()
 
     def config(self, batch_size: int, accumulation: int = 1) -> dict:
         zero: dict = {"stage": self.stage}
@@ -206,12 +237,16 @@ class DeepSpeed(DDP):
             "zero_force_ds_cpu_optimizer": False,  # the same torch AdamW as the reference
         }
 
-    def prepare(self, model, optimizer, case):
-        import deepspeed
-
+    def engine_config(self, case, model: nn.Module | None = None) -> dict:
         config = self.config(case.batch_size, case.accumulation)
         if case.torch_dtype == torch.bfloat16:
             config["bf16"] = {"enabled": True}  # DeepSpeed's bf16: bf16 weights, fp32 master copies to step
+        if self.stage == 3 and model is not None and self.offload != "nvme":
+            config["zero_optimization"] = {**_live_layers(model), **config["zero_optimization"]}
+        return config
+
+    def prepare(self, model, optimizer, case):
+        config = self.engine_config(case, model)
         if self.offload == "nvme" and self.stage == 3:
             # What the engine would do, but with the dtype read from the config: the engine passes the model's
             # dtype, which Init's `dtype or float16 if fp16 else bfloat16 ...` drops on an accelerator without
@@ -258,9 +293,7 @@ class Accelerate(DDP):
         self.accelerator = accelerator
 
     def prepare(self, model, optimizer, case):
-        from accelerate import Accelerator
-
-        self.accelerator = self.accelerator or Accelerator(cpu=self.device.type == "cpu")
+        self.accelerator = self.accelerator or accelerate.Accelerator(cpu=self.device.type == "cpu")
         return self.accelerator.prepare(model, optimizer)
 
     def backward(self, loss):
@@ -286,10 +319,8 @@ class DeviceMap(Strategy):
         return len(self.split)
 
     def build(self, case):
-        from accelerate import dispatch_model
-
         base = case.base_model()
-        return case.reft_model(dispatch_model(base, split_map(base, self.split), main_device=self.device))
+        return case.reft_model(accelerate.dispatch_model(base, split_map(base, self.split), main_device=self.device))
 
     def place(self, model):
         return model  # each layer is on its device already
@@ -326,6 +357,27 @@ def split_map(model: nn.Module, devices: Sequence[str | int]) -> dict[str, str |
 
     place("", model)
     return device_map
+
+def _live_layers(model: nn.Module) -> dict:
+    """ZeRO-3's memory knobs for about two decoder layers gathered at once, as docs/configs/deepspeed-zero3.json bounds
+    them for its models: DeepSpeed's defaults (10**9 elements live, reused within 10**9) keep every gathered
+    parameter of a model under 4 GB of float32 until the step ends, the whole base on every rank."""
+    classes = layer_classes(model)
+    layers = [module for module in model.modules() if type(module).__name__ in classes]
+    sizes = [sum(getattr(p, "ds_numel", None) or p.numel() for p in layer.parameters()) for layer in layers]
+    if not sizes:
+        return {}
+    return {"stage3_max_live_parameters": 2 * max(sizes), "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": max(sizes)}
+
+
+def reads_in_parts(case, quantized: tuple[str, ...] = ()) -> bool:
+    """Whether ``case`` loads a model folder of safetensors that a sharded load reads in parts: plain, or quantized
+    as ``quantized`` names (FSDP2 reads a 4-bit base in parts; ZeRO-3 quantizes it whole on every rank)."""
+    folder = getattr(case, "model", None)
+    return (getattr(case, "local", False) and getattr(case, "quantize", None) in (None, *quantized)
+            and has_safetensors(folder))
+
 
 def _default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Callable
+from typing import Any, Callable
 
 from .requirements import (Requirement, any_machine, gpu_per_rank, installed, tp_plan_splits_the_vocabulary,
                            two_dimensional, two_gpus)
@@ -40,13 +40,32 @@ def _no_arguments() -> dict:
 
 
 def _fsdp2_arguments() -> dict:
-    return {"fsdp": True, "fsdp_config": {"version": 2}}
+    return {"fsdp": True, "fsdp_config": {"version": 2, "cpu_ram_efficient_loading": True}}  # each rank reads its share
+
+
+def deepspeed_config(stage: str) -> dict:
+    """An HF Trainer DeepSpeed config for ZeRO ``stage`` ("1", "2", "3", "3-offload"), sizes and bf16 left to "auto"."""
+    level, _, offload = stage.partition("-")
+    zero: dict[str, Any] = {"stage": int(level)}
+    if level == "3":
+        zero["stage3_param_persistence_threshold"] = 0  # partition everything, interventions included
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if level == "3":
+            zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},  # filled in by TrainingArguments, before from_pretrained runs zero.Init
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
 
 
 def _deepspeed_arguments(stage: str) -> Callable[[], dict]:
     def arguments() -> dict:
-        from .hf import deepspeed_config  # imports transformers: only when asked
-
         return {"deepspeed": deepspeed_config(stage)}
 
     return arguments

@@ -8,11 +8,13 @@ process group and reports as ``spawn``'s ranks do (passed, skipped, failed with 
 past which every live rank's stack is printed).
 
 Between runs a rank puts back what a test may leave behind: the environment variables, the working
-directory, ``pyvene_dist.patch()`` (unpatched), accelerate's process-wide state, and the default process
-group (initialised again if a test destroyed it). A world in which a run failed, timed out or crashed is
-ended (a rank may be stuck in a collective, or hold state nobody can vouch for); the next run starts a new
-one; so is a world whose rank could not be put back (the test's outcome stands). A test that needs
-fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest plugin), and gets ``spawn``.
+directory, ``pyvene_dist.patch()`` (unpatched), accelerate's process-wide state, transformers' ZeRO-3 switch (a
+ZeRO-3 ``TrainingArguments`` kept alive by a cycle left it on, and the next test's models were built partitioned:
+``'weight' must be 2-D``), and the default process group (initialised again if a test destroyed it). A world
+in which a run failed, timed out or crashed is ended (a rank may be stuck in a collective, or hold state nobody
+can vouch for); the next run starts a new one; so is a world whose rank could not be put back (the test's outcome
+stands). A test that needs fresh processes asks for them (``world_size(..., fresh=True)`` in the pytest plugin),
+and gets ``spawn``.
 
 Each rank writes its output for a run to a file the parent reads back after the run (a process started
 before the test cannot share the test's captured stdout), so the output shows in the test's report.
@@ -30,6 +32,8 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
 
 from . import _preloaded
 from .launch import (FAILED, PASSED, SKIPPED, RankOutcome, WorldOutcome, _collect, _destroy_process_group,
@@ -204,13 +208,14 @@ def _put_back(environ: dict, cwd: str, backend: str, store_path: str, rank: int,
     if state is not None:  # process-wide singletons: a later Accelerator may ask for other settings
         state.AcceleratorState._reset_state(reset_partial_state=True)
         state.GradientState._reset_state()
+    deepspeed_config = sys.modules.get("transformers.integrations.deepspeed")
+    if deepspeed_config is not None:  # a ZeRO-3 TrainingArguments kept alive: later models would be partitioned
+        deepspeed_config.unset_hf_deepspeed_config()
     if os.getcwd() != cwd:
         os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
     gc.collect()
-    import torch.distributed as dist
-
     if not dist.is_initialized():  # the test destroyed it (on every rank alike); its store's keys are spent
         _init_process_group(backend, f"{store_path}-{next(_formed_again)}", rank, world_size, timeout)
 

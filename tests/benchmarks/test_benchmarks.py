@@ -57,6 +57,23 @@ def _smoke_rows(tmp_path, script, *arguments):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+def _smoke_rows_side_by_side(tmp_path, script, *, runs):
+    """The rows of each of ``runs`` invocations of ``benchmarks/<script> --smoke``, run at the same time (each in a
+    process of its own, as one after the other: the second core does the second)."""
+    outs = [tmp_path / f"rows{run}.jsonl" for run in range(runs)]
+    processes = [subprocess.Popen([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)])
+                 for out in outs]
+    try:
+        for process in processes:
+            if process.wait(timeout=900):
+                raise subprocess.CalledProcessError(process.returncode, process.args)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    return [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+
+
 def _assert_metadata(rows):
     """What every row carries (benchmarks/common.py): the commit, versions, GPU, machine, date, one run id for the
     invocation, dtype, shapes, median and spread."""
@@ -123,7 +140,7 @@ def test_generation_smoke_intervenes_on_every_token_as_stock_pyvene(tmp_path):
 
 def test_calls_smoke_counts_the_same_calls_in_two_runs(tmp_path):
     """Call counts are deterministic: two runs write the same positive integers for every provider and measure."""
-    runs = [_smoke_rows(tmp_path / str(run), "calls.py") for run in range(2)]
+    runs = _smoke_rows_side_by_side(tmp_path, "calls.py", runs=2)
     _assert_metadata_of_counts(runs[0])
     counts = [{(r["provider"], r["measure"]): (r["calls"], r.get("calls_per_token")) for r in rows} for rows in runs]
     assert set(counts[0]) == {(p, m) for p in ("bare", "pyvene", "pyvene_dist") for m in ("forward", "train", "generate")}
@@ -157,11 +174,16 @@ def test_start_up_times_spawned_and_forked_worlds(tmp_path):
     assert "server_start_s" in rows[1] and "ratio_to_spawned" in rows[1]
 
 
-def test_patch_guard_times_the_guard_inside_patch(tmp_path):
-    """One run: the guard's time is measured inside patch()'s (the wrap of ``_versions.check`` ran, not zero)."""
+def test_patch_guard_times_the_guard_inside_patch(tmp_path, monkeypatch):
+    """One run: the guard's time is measured inside patch()'s (the wrap of ``versions.check`` ran, not zero). The
+    script's ``main`` is called here; the run it times is a fresh process of its own, as always. ``sys.path`` and the
+    run id it sets are put back after: the harness's fork servers are keyed by both."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("PYVENE_DIST_RUN_ID", "")  # empty: the script makes one
+    import patch_guard
+
     out = tmp_path / "guard.jsonl"
-    subprocess.run([sys.executable, str(BENCHMARKS / "patch_guard.py"), "--runs", "1", "--out", str(out)],
-                   check=True, timeout=300)
+    patch_guard.main(["--runs", "1", "--out", str(out)])
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["runs"] == 1 and row["commit"] and row["versions"]["pyvene"]
     assert 0 < row["guard_ms"][0] < row["patch_ms"][0]

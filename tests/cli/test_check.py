@@ -281,7 +281,6 @@ def test_a_local_model_directory_is_checked_with_layers_that_fit_it(tmp_path):
     assert "peak mem: CPU: peak resident set size" in result.stdout or torch.cuda.is_available()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arguments, message", [
     (("--strategies", "bogus"), "pyvene-dist: unknown strategy bogus; known: ddp"),
     (("--model", "no/such/model"), "pyvene-dist: --model no/such/model: no such file or directory; expected one of"),
@@ -290,10 +289,26 @@ def test_a_local_model_directory_is_checked_with_layers_that_fit_it(tmp_path):
     (("--world-sizes", "0"), "world sizes must be at least 1"),
     (("--steps", "-1"), "steps must be a positive integer, got '-1'"),
 ])
-def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message):
-    result = cli(*arguments, timeout=120)
+def test_user_mistakes_are_one_clear_line_and_exit_2(arguments, message, capsys):
+    """The command's function, in this process: what it returns, or argparse's exit, is the exit code (the next test
+    runs the command line itself)."""
+    from pyvene_dist.__main__ import main
+
+    try:
+        code = main(["check", *arguments])
+    except SystemExit as exited:  # argparse's errors: usage and one line
+        code = exited.code
+    stderr = capsys.readouterr().err
+    assert code == 2, (code, stderr)
+    assert message in stderr.strip().splitlines()[-1] and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+def test_a_user_mistake_exits_2_from_the_command_line():
+    result = cli("--strategies", "bogus", timeout=120)
     assert result.returncode == 2, (result.returncode, result.stderr)
-    assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "pyvene-dist: unknown strategy bogus; known: ddp" in last and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.gpus(2)

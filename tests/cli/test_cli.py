@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pyvene_dist import _installed, _versions
+from pyvene_dist.versions import installed
 
 
 def run(capsys, *arguments) -> tuple[int, str, str]:
@@ -52,6 +52,20 @@ def test_check_takes_the_dtype_names_it_can_run_and_refuses_others_naming_them(c
     assert "write --dtype bfloat16" in capsys.readouterr().err
 
 
+def test_a_reader_that_leaves_early_ends_the_command_quietly(capsys, monkeypatch):
+    """``pyvene-dist fixes --json | head``: the command ended in a ``BrokenPipeError`` traceback once ``head`` had
+    left. Here the pipe's reader is gone before the command writes."""
+    import os
+
+    from pyvene_dist.__main__ import main
+
+    reader, writer = os.pipe()
+    os.close(reader)
+    with open(writer, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        assert main(["fixes", "--json"]) == 1  # Python's documented exit for a reader that left; no exception
+
+
 def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
     from pyvene_dist.fixes import fixes
 
@@ -70,17 +84,17 @@ def test_fixes_lists_every_fix_applied_here_with_its_ranges(capsys):
 
 
 def test_fixes_applies_a_newer_release_with_the_same_functions_and_names_a_changed_one(capsys, monkeypatch):
-    from pyvene_dist import _fingerprints_table
+    from pyvene_dist.versions import table
 
-    real = _installed.version
-    monkeypatch.setattr(_installed, "version", lambda name: "0.2.0" if name == "pyvene" else real(name))
+    real_version = installed.version
+    monkeypatch.setattr(installed, "version", lambda name: "0.2.0" if name == "pyvene" else real_version(name))
     code, out, _ = run(capsys, "fixes", "--json")
     rows = {row["name"]: row for row in json.loads(out)}
     assert all(row["applied"] and row["fingerprint"] == "unchanged" for row in rows.values())
     assert rows["hooks"]["checked"] == {"pyvene": ["0.1.8"]} and rows["hooks"]["installed"] == {"pyvene": "0.2.0"}
 
     target = "pyvene.models.intervenable_base:IntervenableModel._remove_forward_hooks"
-    monkeypatch.setitem(_fingerprints_table.KNOWN, target, {"0123456789abcdef": ("0.2.0",)})  # not the one here
+    monkeypatch.setitem(table.KNOWN, target, {"0123456789abcdef": ("0.2.0",)})  # not the one here
     code, out, _ = run(capsys, "fixes", "--json")
     rows = {row["name"]: row for row in json.loads(out)}
     assert not any(row["applied"] for row in rows.values())  # patch() refuses them all, as it applies none

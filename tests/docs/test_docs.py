@@ -58,8 +58,15 @@ GPU_CHECK = RunBy("tests/cli/test_check.py::test_every_strategy_agrees_on_gpus",
                   ('{name: "agrees" for name in check.CHECKED}',), gpus=2)
 UPSTREAM_SERIES = "tests/upstream/test_upstream_patches.py::test_series_applies_with_no_fuzz_offset_or_reject"
 BENCHMARK_NOTE = "a benchmark run by hand on GPUs (docs/benchmarks.md); the smoke test runs the same script on CPU"
+#: The `pyvene-dist eval` lines of docs/evaluation.md, run in each rank of a world of 2 CPU processes (the
+#: environment torchrun and accelerate launch give their processes).
+EVALUATION_LAUNCH = ("tests/evaluation/test_lm_eval_reft.py::"
+                     "test_two_ranks_score_their_shares_and_over_a_sharded_base_agree_with_one")
 #: benchmarks/mixed_refts.py's smoke mode, run in process by the serving tests.
 MIXED_REFTS = "tests/test_serving.py::test_the_benchmark_smoke_writes_every_provider"
+#: benchmarks/continuous_refts.py's smoke mode, run in process by the continuous batching tests.
+CONTINUOUS_REFTS = "tests/test_continuous_batching.py::test_the_benchmark_smoke_writes_every_provider"
+OPENAI_SERVER = "tests/test_openai_server.py"
 MATRIX_NOTE = ("the version matrix, run by hand (a venv per column: minutes and GBs each); its rows are in "
                "benchmarks/results/version-matrix.jsonl and tests/packaging/test_version_matrix.py tests its parts")
 
@@ -154,7 +161,7 @@ RUN_BY: dict[str, RunBy] = {
     "pyvene-dist check --strategies dataparallel": GPU_CHECK,
     "pyvene-dist check --strategies device_map": GPU_CHECK,
     "torchrun --nproc_per_node 2 tests/scripts/train_with_trainer.py /tmp/record.pt":
-        RunBy(LAUNCHERS, ('"--nproc_per_node", str(nproc)', "launch(tmp_path, 2")),
+        RunBy(LAUNCHERS, ('"--nproc_per_node", str(nproc)', "trainer_runs(2, trainer)")),
     "CUDA_VISIBLE_DEVICES=0,1 python tests/scripts/train_with_trainer.py /tmp/record.pt --trainer ReftTrainer":
         RunBy("tests/fixes/test_data_parallel.py::test_hf_trainer_data_parallel_matches_one_gpu",
               ('"0,1"', '"--trainer"', "CUDA_VISIBLE_DEVICES"), gpus=2),
@@ -200,10 +207,46 @@ RUN_BY: dict[str, RunBy] = {
               ('".ci" / "matrix"), "--table"',)),
     "python benchmarks/overhead.py --smoke":
         RunBy("tests/benchmarks/test_benchmarks.py::test_overhead_smoke_writes_every_provider", ('"--smoke"',)),
-    "python docs/examples/serve_many.py --reft poet=out/poet/reft --reft coder=out/coder/reft --port 8000":
-        RunBy("tests/test_serving.py::test_server_answers_each_model_as_alone", ('"--reft"', '"--port", "0"'),
-              note="started on a free port of the loopback with the test's three ReFT folders"),
+    "pyvene-dist serve --reft poet=out/poet/reft --reft coder=out/coder/reft --port 8000":
+        RunBy(f"{OPENAI_SERVER}::test_the_openai_client_gets_each_reft_as_alone", ("serving_server",),
+              note="started as `python -m pyvene_dist serve` on a free port of the loopback with three ReFT folders "
+                   "(tests/conftest.py's serving_server, once per session)"),
+    **{command: RunBy(f"{OPENAI_SERVER}::test_the_pages_curl_lines_answer", ('"curl "',),
+                      note="the page's curl lines against the test's server, its ReFTs for poet and coder")
+       for command in (
+           "curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"poet\", "
+           "\"prompt\": \"Write about snow\", \"max_tokens\": 16}'",
+           "curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"coder\", "
+           "\"messages\": [{\"role\": \"user\", \"content\": \"Add 2 and 2\"}]}'",
+           "curl -s localhost:8000/v1/models")},
+    "python benchmarks/continuous_refts.py --smoke": RunBy(CONTINUOUS_REFTS, ('"--smoke"',)),
+    **{f"OMP_NUM_THREADS=1 python benchmarks/continuous_refts.py --model tiny --requests 64 --prompt-len 32 "
+       f"--new-tokens 16 --rounds 9 --max-batch-tokens 512{mode} --out benchmarks/results/continuous-refts-cpu.jsonl":
+       RunBy(CONTINUOUS_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE) for mode in ("", " --every-token")},
+    **{f"python benchmarks/continuous_refts.py{mode} --out benchmarks/results/continuous-refts-1xH100.jsonl":
+       RunBy(CONTINUOUS_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE) for mode in ("", " --every-token")},
     "python benchmarks/mixed_refts.py --smoke": RunBy(MIXED_REFTS, ('"--smoke"',)),
+    "python benchmarks/evaluation.py --device cuda --hidden 2048 --layers 16 --documents 512 --batch-size 32 "
+    "--rounds 3 --out benchmarks/results/evaluation-1xH100.jsonl":
+        RunBy("benchmarks/evaluation.py", ('"--device"', '"--hidden"'),
+              note="a benchmark run by hand on a GPU; its CPU rows are in benchmarks/results/evaluation-cpu.jsonl"),
+    "pyvene-dist eval --model reft --model_args reft=out/run/reft --tasks hellaswag --batch_size 8":
+        RunBy(EVALUATION_LAUNCH, ('main(["eval", "--model", "reft"', '"--batch_size"'),
+              note="pyvene_dist.__main__.main, the entry point's function, in each of 2 ranks, with the test's local tasks"),
+    "accelerate launch --config_file docs/configs/accelerate-ddp.yaml -m pyvene_dist eval --model reft "
+    "--model_args reft=out/run/reft --tasks hellaswag --batch_size 8 --output_path results --log_samples":
+        RunBy(EVALUATION_LAUNCH, ('"--output_path"', '"--log_samples"'),
+              note="the command in each rank of a world of 2 with the environment the launcher gives (the launcher "
+                   "itself: tests/strategies/test_accelerate.py), with the test's local tasks"),
+    "torchrun --nproc_per_node 2 -m pyvene_dist eval --model reft --model_args reft=out/run/reft --tasks hellaswag "
+    "--batch_size 8 --device cpu --output_path results --log_samples":
+        RunBy(EVALUATION_LAUNCH, ('"--device", "cpu"', '"--output_path"'),
+              note="the command in each rank of a world of 2 with torchrun's environment (testing.launch); the "
+                   "torchrun line itself was run by hand on the CPU machine"),
+    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 pyvene-dist eval --model reft --model_args reft=out/run/reft "
+    "--tasks words_mc --include_path my_tasks":
+        RunBy(EVALUATION_LAUNCH, ('HF_DATASETS_OFFLINE="1"', '"--include_path"'),
+              note="the test's tasks are such a folder: a YAML file each and one JSON file"),
     **{f"OMP_NUM_THREADS=1 python benchmarks/mixed_refts.py --model tiny --prompt-len 16 --new-tokens 16 --rounds 15"
        f"{mode} --out benchmarks/results/mixed-refts-cpu.jsonl": RunBy(MIXED_REFTS, ('"--smoke"',), note=BENCHMARK_NOTE)
        for mode in ("", " --every-token")},
@@ -581,8 +624,8 @@ def test_the_supported_versions_are_the_tested_ones():
     against the version matrix's passing rows)."""
     from packaging.specifiers import SpecifierSet
 
-    from pyvene_dist._installed import version as installed_version
-    from pyvene_dist._versions import REQUIRED
+    from pyvene_dist.versions.installed import version as installed_version
+    from pyvene_dist.versions.guard import REQUIRED
 
     setup = (ROOT / "setup.cfg").read_text()
     for name in ("torch", "transformers"):
@@ -692,6 +735,13 @@ FIGURE_SOURCES: dict[tuple[str, str], str] = {
     ("docs/patches.md", "550 operator calls"): "counted with the profiler when the householder fix was written; no "
         "row kept",
     ("docs/patches.md", "200 calls"): "counted with the profiler when the householder fix was written; no row kept",
+    **{("docs/loading.md", figure): "issue 47's own measurement at 7424c13 (pyvene-dist check --model on the 206M "
+       "folder, 2 CPU ranks), quoted as the issue gives it; its rows are not in the project" for figure in
+       ("1.33 x", "1.65 x", "1.75 x", "3.19 x")},
+    **{("docs/loading.md", figure): "issue 47's goal for the load, a target, not a result" for figure in
+       ("0.35 x",)},
+    ("docs/loading.md", "| step | per GPU (plan) |"): "pyvene-dist plan's output for Llama-2-70B's shape, which "
+        "docs/quantized.md prints whole: arithmetic, not a measurement",
     ("README.md", "40 failed"): "the JUnit file of the GPU run the claim names; tests/docs/test_readme.py checks "
         "the claim against it",
 }

@@ -48,13 +48,16 @@ def test_the_readme_example_trains_saves_and_reloads_on_cpu(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port()),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    outputs = []
+    outputs, errors = [], []
     for command in example_commands():
         command = command.replace(VENV, f"{Path(sys.executable).parent}/", 1)
         result = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, f"{command!r} exited {result.returncode}:\n{result.stderr[-4000:]}"
         outputs.append(result.stdout)
+        errors.append(result.stderr)
+    # f1 on the last layer: said once, by the first rank (each of the 2 ranks logged and warned it: 4 times)
+    assert errors[1].count("its intervention for the first positions trains nothing") == 1, errors[1][-4000:]
     settings = json.loads((tmp_path / "out" / "run" / "reft" / "train_settings.json").read_text())
     assert settings["model"] == str(tmp_path / "out" / "tiny-llama") and settings["positions"] == "f1+l1"
     log = json.loads((tmp_path / "out" / "run" / "trainer_state.json").read_text())["log_history"]

@@ -71,8 +71,7 @@ def test_zero3_nvme_offload_matches_zero3_in_memory(tmp_path, dtype):
     assert len(large) > 0 and len(swapped) == len(large)
     in_memory = train(case, "zero3")
     if dist.get_rank() == 0:
-        print(f"zero3-nvme {dtype} vs zero3: {differences(in_memory, candidate)}; "
-              f"vs one device: {differences(train(case, 'single'), candidate)}")
+        print(f"zero3-nvme {dtype} vs zero3: {differences(in_memory, candidate)}")
         assert_parity(in_memory, candidate, case.tolerance)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-EXTRAS = ("reft", "deepspeed", "accelerate", "quantize", "ray", "test", "bench")
+EXTRAS = ("reft", "deepspeed", "accelerate", "quantize", "eval", "ray", "serve", "test", "bench")
 #: Extras CI's set-up does not install (their size), installed here only where their package is.
 NOT_IN_CI = {"ray": "ray"}
 

@@ -18,6 +18,9 @@ import types
 
 import wrapt
 
+#: Modules of the optional extras whose sites are patched when they are imported (``_records.IMPORTED_LATER``).
+OPTIONAL_LATER = ("accelerate.utils.fsdp_utils", "deepspeed.runtime.engine")
+
 captured = {}
 MISSING = object()
 
@@ -98,13 +101,15 @@ def named_parameter_count():
 
 def run(step):
     if step == "import":
-        for name in ("pyvene", "pyreft", "transformers.trainer"):
+        for name in ("pyvene", "pyreft", "transformers.trainer", *OPTIONAL_LATER):
             importlib.import_module(name)
     elif step == "import-pyvene":
         importlib.import_module("pyvene")
     elif step == "import-pyreft":
         importlib.import_module("pyreft")
         importlib.import_module("transformers.trainer")
+        for name in OPTIONAL_LATER:
+            importlib.import_module(name)
     elif step == "capture":
         captured.update({site: vars(owner).get(attribute, MISSING) for site, owner, attribute, _ in sites()})
     elif step == "patch":

@@ -7,54 +7,103 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, run_launcher, run_together
-from pyvene_dist.testing import ParityCase, assert_parity
+from launchers import SCRIPTS, THEN, launch_runs, run_launcher, run_together
+from pyvene_dist.testing import ParityCase, Record, assert_parity
 
 pytestmark = pytest.mark.slow
 
 
-def launch(tmp_path, nproc, *script_args):
+def torchrun(nproc):
     from pyvene_dist.testing.launch import free_port
 
-    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-                str(SCRIPTS / "train_with_trainer.py")]
-    return run_launcher(tmp_path, torchrun, script_args)
+    return ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+            str(SCRIPTS / "train_with_trainer.py")]
 
 
-TRAINERS = [
-    pytest.param(("ReftTrainer",), id="ReftTrainer"),
-    pytest.param(("ReftTrainerForCausalLM",), id="ReftTrainerForCausalLM"),
-    pytest.param(("ReftTrainerForSequenceClassification", "--model", "llama-cls", "--eval-examples", "7"),
-                 id="ReftTrainerForSequenceClassification+evaluate"),
-]
+def launch(tmp_path, nproc, *script_args):
+    return run_launcher(tmp_path, torchrun(nproc), script_args)
+
+
+TRAINERS = {
+    "ReftTrainer": ("--trainer", "ReftTrainer"),
+    "ReftTrainerForCausalLM": ("--trainer", "ReftTrainerForCausalLM"),
+    "ReftTrainerForSequenceClassification+evaluate": ("--trainer", "ReftTrainerForSequenceClassification", "--model",
+                                                      "llama-cls", "--eval-examples", "7"),
+}
+#: The strategies resumed from a checkpoint: under ZeRO-3 the checkpoint is DeepSpeed's own (each rank's partitions
+#: of weights and optimizer state).
+RESUMED = {"ddp": (), "zero3": ("--deepspeed", "3")}
+
+
+class TrainerRuns:
+    """This module's train_with_trainer.py runs under torchrun, made in three launches by the first test that asks for
+    one of their runs; each launch makes its runs one after the other in the same processes (launchers.launch_runs),
+    and each run gives the Record it gives when launched alone, to the bit. With 1 process: each trainer. With 2
+    processes: each trainer, then for each strategy of RESUMED the uninterrupted run of 4 steps
+    (``{strategy}-whole``) and the same run saving a checkpoint every 2 steps in ``first(strategy)``
+    (``{strategy}-first``). With 2 processes again: each strategy resumed from its ``checkpoint-2``
+    (``{strategy}-resumed``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        resume = {strategy: ("--steps", "4", *arguments) for strategy, arguments in RESUMED.items()}
+        self.groups = {
+            "one": (1, TRAINERS),
+            "two": (2, {**TRAINERS, **{name: run for strategy, arguments in resume.items() for name, run in (
+                (f"{strategy}-whole", arguments),
+                (f"{strategy}-first", (*arguments, "--output-dir", str(self.first(strategy)), "--save-steps", "2")))}}),
+            "resumed": (2, {f"{strategy}-resumed": (*arguments, "--output-dir", str(folder / f"{strategy}-second"),
+                                                    "--resume-from", str(self.first(strategy) / "checkpoint-2"))
+                            for strategy, arguments in resume.items()}),
+        }
+        self.launched = {}
+
+    def first(self, strategy: str) -> Path:
+        return self.folder / f"{strategy}-first"
+
+    def __call__(self, processes: int, name: str) -> Record:
+        group = next(group for group, (count, runs) in self.groups.items() if count == processes and name in runs)
+        if group == "resumed":
+            self(2, name.replace("-resumed", "-first"))  # its checkpoint first
+        if group not in self.launched:
+            runs = self.groups[group][1]
+            record, _ = launch_runs(self.folder, torchrun(processes), list(runs.values()))
+            self.launched[group] = {name: number for number, name in enumerate(runs)}, record
+        numbers, record = self.launched[group]
+        return record(numbers[name])
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    return TrainerRuns(tmp_path_factory.mktemp("trainer-runs"))
 
 
 @pytest.mark.ranks(2)  # train_with_trainer.py runs on the GPUs where there are some: rank 1 takes cuda:1
 @pytest.mark.parametrize("trainer", TRAINERS)
-def test_torchrun_pyreft_trainer_matches_one_process(tmp_path, trainer):
-    single = launch(tmp_path, 1, "--trainer", *trainer)
-    double = launch(tmp_path, 2, "--trainer", *trainer)
-    print(f"{trainer[0]} losses, 1 process:  ", single.losses, single.metrics)
-    print(f"{trainer[0]} losses, 2 processes:", double.losses, double.metrics)
+def test_torchrun_pyreft_trainer_matches_one_process(trainer_runs, trainer):
+    single = trainer_runs(1, trainer)
+    double = trainer_runs(2, trainer)
+    print(f"{trainer} losses, 1 process:  ", single.losses, single.metrics)
+    print(f"{trainer} losses, 2 processes:", double.losses, double.metrics)
     assert len(double.losses) == ParityCase().steps
     assert_parity(single, double, ParityCase().tolerance)
     assert double.metrics == single.metrics
-    if "--eval-examples" in trainer:
+    if "--eval-examples" in TRAINERS[trainer]:
         assert single.metrics["eval_examples"] == 7
 
 
 @pytest.mark.ranks(2)
-@pytest.mark.parametrize("strategy", [pytest.param((), id="ddp"), pytest.param(("--deepspeed", "3"), id="zero3")])
-def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", RESUMED)
+def test_torchrun_resume_from_checkpoint_continues_exactly(trainer_runs, strategy):
     """Under ZeRO-3 the checkpoint is DeepSpeed's own (each rank's partitions of weights and optimizer state)."""
-    whole = launch(tmp_path, 2, "--steps", "4", *strategy)
-    launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "first"), "--save-steps", "2", *strategy)
-    if strategy:
-        assert list((tmp_path / "first" / "checkpoint-2").glob("global_step2/*optim_states.pt")), "not DeepSpeed's"
-    resumed = launch(tmp_path, 2, "--steps", "4", "--output-dir", str(tmp_path / "second"),
-                     "--resume-from", str(tmp_path / "first" / "checkpoint-2"), *strategy)
+    whole = trainer_runs(2, f"{strategy}-whole")
+    trainer_runs(2, f"{strategy}-first")
+    if RESUMED[strategy]:
+        checkpoint = trainer_runs.first(strategy) / "checkpoint-2"
+        assert list(checkpoint.glob("global_step2/*optim_states.pt")), "not DeepSpeed's"
+    resumed = trainer_runs(2, f"{strategy}-resumed")
     print("uninterrupted:", whole.losses, "\nresumed:      ", resumed.losses)
-    assert len(resumed.grads) == (0 if strategy else 2)  # two steps ran after the checkpoint (no reading under ZeRO)
+    assert len(resumed.grads) == (0 if RESUMED[strategy] else 2)  # two steps after the checkpoint (none read under ZeRO)
     assert len(resumed.losses) == 4  # the log holds the first two too, restored from the checkpoint
     torch.testing.assert_close(torch.tensor(resumed.losses[2:]), torch.tensor(whole.losses[2:]), rtol=1e-6, atol=0)
     for name, value in whole.weights.items():
@@ -63,13 +112,13 @@ def test_torchrun_resume_from_checkpoint_continues_exactly(tmp_path, strategy):
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("version", [2, 1])
-def test_torchrun_hf_trainer_fsdp_matches_one_process(tmp_path, version):
+def test_torchrun_hf_trainer_fsdp_matches_one_process(tmp_path, trainer_runs, version):
     import transformers
     from packaging.version import Version
 
     if version == 1 and Version(transformers.__version__) >= Version("5.20"):
         pytest.skip("HF Trainer dropped FSDP1 in transformers 5.20")
-    single = launch(tmp_path, 1)
+    single = trainer_runs(1, "ReftTrainer")
     sharded = launch(tmp_path, 2, "--fsdp", str(version))
     print(f"HF Trainer FSDP{version}: 1 process {single.losses}\n2 processes {sharded.losses}")
     assert_parity(single, sharded, ParityCase().tolerance)
@@ -171,10 +220,16 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
+#: Launched without --use_cpu on a machine without a GPU, as the README and launchers.md print them: HF's arguments
+#: took each rank for the only process, and each trained alone on all the data (pyvene_dist.fixes.hf_trainer).
+AS_PRINTED = ("torchrun", "deepspeed")
+
+
 def train_reft(checkpoint, output_dir: Path, launcher=None, world_size=1) -> Trained:
     from pyvene_dist.testing.launch import free_port
 
-    arguments = ["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *FLAGS,
+    flags = [flag for flag in FLAGS if flag != "--use_cpu" or launcher not in AS_PRINTED or torch.cuda.is_available()]
+    arguments = ["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *flags,
                  "--output_dir", str(output_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]
     commands = LAUNCHES[launcher](free_port(), output_dir) if launcher else [[TRAIN]]
     run_together([[*command, *arguments] for command in commands], cwd=ROOT, timeout=600)
@@ -213,9 +268,12 @@ def test_a_tokenizer_saved_without_a_length_trains_to_the_model_length(checkpoin
 
     assert AutoTokenizer.from_pretrained(folder).model_max_length > 2 ** 63  # as saved: no length
     flags = [flag for flag in FLAGS if flag not in ("--prompt", PROMPT)]
-    for extra, name in (([], "default"), (["--model_max_length", "5"], "flag")):
-        run_together([[TRAIN, "--model", str(folder), "--data", str(checkpoint / "train.json"), *flags, "--max_steps",
-                       "1", "--output_dir", str(tmp_path / name), *extra]], cwd=ROOT, timeout=300)
+    runs = [["--model", str(folder), "--data", str(checkpoint / "train.json"), *flags, "--max_steps", "1",
+             "--output_dir", str(tmp_path / name), *extra]
+            for extra, name in (([], "default"), (["--model_max_length", "5"], "flag"))]
+    # Both runs in one process (train_reft.py as __main__ for each): one start, one import of pyvene.
+    run_together([[str(SCRIPTS / "train_reft_each.py"), *runs[0], THEN, *runs[1]]], cwd=ROOT,
+                 timeout=300)
     logged = {name: json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"][0]
               for name in ("default", "flag")}
     # The examples are 6 tokens long: kept whole at the model's 128 positions, cut to 5 by the flag.
@@ -285,11 +343,11 @@ def test_zero3_loads_the_checkpoint_partitioned(checkpoint, tmp_path):
                                "ds_numel": torch.Size(shape).numel()}, name
 
 
-def test_ray_train_torch_trainer_matches_one_process(tmp_path):
+def test_ray_train_torch_trainer_matches_one_process(tmp_path, trainer_runs):
     """Ray Train's TorchTrainer as the launcher (a local Ray cluster on CPU, 2 workers, the gloo group Ray sets
     up): pyreft's ReftTrainer in each worker, patched there, trains as one process does."""
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'pyvene_dist[ray]')")
-    single = launch(tmp_path, 1, "--trainer", "ReftTrainer")
+    single = trainer_runs(1, "ReftTrainer")
     on_ray = run_launcher(tmp_path, [str(SCRIPTS / "train_with_ray.py")], ("--workers", "2"))
     print("ReftTrainer losses, 1 process:    ", single.losses, "\n                  2 Ray workers:", on_ray.losses)
     assert len(on_ray.losses) == ParityCase().steps

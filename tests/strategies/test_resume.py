@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, run_together
+from launchers import SCRIPTS, launch_runs, run_together
 from pyvene_dist.testing import Record
 
 pytestmark = pytest.mark.slow
@@ -35,18 +35,17 @@ MAIN_LOADS = "Loading checkpoint from {}."
 RTOL = 1e-5
 
 
-def torchrun(folder: Path, pyreft_path: Path | None, *arguments: str) -> tuple[Record, str]:
-    """train_with_trainer.py under torchrun with 2 processes; its Record and output. ``pyreft_path`` goes first on
-    the processes' PYTHONPATH (None: the installed pyreft)."""
+def torchrun(folder: Path, pyreft_path: Path | None, runs: list[tuple[str, ...]]):
+    """train_with_trainer.py under torchrun with 2 processes, making ``runs`` (their arguments) one after the other
+    in one launch (launchers.launch_runs); ``(record, output)``: ``record(i)`` is run ``i``'s Record. ``pyreft_path``
+    goes first on the processes' PYTHONPATH (None: the installed pyreft)."""
     from pyvene_dist.testing.launch import free_port
 
-    out = folder / f"record-{len(list(folder.iterdir()))}.pt"
     path = [str(pyreft_path)] if pyreft_path else []
     env = {"PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(SCRIPTS / "train_with_trainer.py"), str(out), *arguments]
-    (output,) = run_together([command], env=env)
-    return Record(**torch.load(out)), output
+               str(SCRIPTS / "train_with_trainer.py")]
+    return launch_runs(folder, command, runs, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +59,39 @@ def pyreft_main(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, pyreft_main):
-    """strategy -> (the uninterrupted run's Record, its checkpoint-2), made once per module."""
+    """strategy -> (the uninterrupted run's Record, its checkpoint-2). Every strategy's run is made in one launch, one
+    after the other in the same processes, by the first test that asks (each gives the Record it gives alone)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
     runs = {}
 
     def get(strategy):
-        if strategy not in runs:
-            folder = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
-            record, _ = torchrun(folder, pyreft_main, "--steps", str(STEPS), "--output-dir", str(folder / "out"),
-                                 "--save-steps", str(SAVE_STEPS), *STRATEGIES[strategy])
-            runs[strategy] = record, folder / "out" / f"checkpoint-{SAVE_STEPS}"
-        return runs[strategy]
+        if not runs:
+            record, _ = torchrun(folder, pyreft_main, [
+                ("--steps", str(STEPS), "--output-dir", str(folder / name), "--save-steps", str(SAVE_STEPS), *arguments)
+                for name, arguments in STRATEGIES.items()])
+            runs.update({name: (lambda number=number: record(number)) for number, name in enumerate(STRATEGIES)})
+        return runs[strategy](), folder / strategy / f"checkpoint-{SAVE_STEPS}"
+    return get
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, pyreft_main, uninterrupted):
+    """(form, strategy) -> (the run resumed from the uninterrupted run's checkpoint-2, the output of its launch).
+    Each form's resumed runs (CASES) are made in one launch, one after the other in the same processes, by the first
+    test that asks; the checkpoint each resumes from is in its strategy's own folder."""
+    launched = {}
+
+    def get(form, strategy):
+        if form not in launched:
+            strategies = [case.values[1] for case in CASES if case.values[0] == form]
+            checkpoints = [uninterrupted(name)[1] for name in strategies]
+            folder = tmp_path_factory.mktemp(f"resumed-{form}")
+            record, output = torchrun(folder, pyreft_main if form == "main" else None, [
+                ("--steps", str(STEPS), "--output-dir", str(folder / name), "--resume-from", str(checkpoint),
+                 *STRATEGIES[name]) for name, checkpoint in zip(strategies, checkpoints)])
+            launched[form] = strategies, record, output
+        strategies, record, output = launched[form]
+        return record(strategies.index(strategy)), output
     return get
 
 
@@ -91,17 +113,16 @@ CASES = [pytest.param("main", strategy, id=f"main-{strategy}") for strategy in S
 
 
 @pytest.mark.parametrize("form, strategy", CASES)
-def test_resume_continues_the_uninterrupted_run(tmp_path, pyreft_main, uninterrupted, form, strategy):
+def test_resume_continues_the_uninterrupted_run(uninterrupted, resumed, form, strategy):
     whole, checkpoint = uninterrupted(strategy)
     if strategy == "zero3":
         assert list(checkpoint.glob(f"global_step{SAVE_STEPS}/*optim_states.pt")), f"{checkpoint} is not DeepSpeed's"
-    resumed, output = torchrun(tmp_path, pyreft_main if form == "main" else None, "--steps", str(STEPS),
-                               "--output-dir", str(tmp_path / "out"), "--resume-from", str(checkpoint),
-                               *STRATEGIES[strategy])
-    # The resume went the way this form takes: pyreft main's _load_from_checkpoint, except under DeepSpeed.
+    record, output = resumed(form, strategy)
+    # The resume went the way this form takes: pyreft main's _load_from_checkpoint, except under DeepSpeed. The
+    # launch's output holds its other runs' too, each naming its own checkpoint.
     took_mains = MAIN_LOADS.format(checkpoint) in output
     assert took_mains == (form == "main" and strategy != "zero3"), output[-3000:]
-    assert_continues(resumed, whole)
+    assert_continues(record, whole)
 
 
 # --- docs/examples/train_reft.py --resume_from_checkpoint --------------------------------------------------------
