@@ -57,14 +57,26 @@ def save_refts(model, folder: Path, count: int, layers: list[int]) -> dict[str, 
         for index in range(count):
             reft = models.reft_model(model, layers=layers * 2, dtype=model.dtype, seed=100 + index)
             with torch.no_grad():
+                generator = torch.Generator().manual_seed(index)  # a CPU generator: draw there, then copy over
                 for intervention in reft.interventions.values():
-                    intervention.learned_source.bias.normal_(std=1.0, generator=torch.Generator().manual_seed(index))
+                    bias = intervention.learned_source.bias
+                    bias.copy_(torch.randn(bias.shape, generator=generator, dtype=torch.float32))
             folders[f"reft{index}"] = folder / f"reft{index}"
             reft.save(str(folders[f"reft{index}"]))
             (folders[f"reft{index}"] / SETTINGS).write_text(json.dumps(
                 {"positions": POSITIONS, "share_weights": False, "dtype": str(model.dtype).removeprefix("torch.")}))
             del reft
     return folders
+
+
+def loaded_refts(model, count: int, layers: list[int], prefix: str):
+    """``count`` ReFT folders saved to a scratch folder (``save_refts``) and loaded onto ``model``: (the scratch
+    folder, to clean up; the ``MultiReftModel``)."""
+    scratch = tempfile.TemporaryDirectory(prefix=prefix)
+    many = MultiReftModel(model)
+    for name, folder in save_refts(model, Path(scratch.name), count, layers).items():
+        many.load(name, folder)
+    return scratch, many
 
 
 def prompts(batch: int, length: int, vocab: int, device) -> dict:
@@ -103,11 +115,8 @@ def main(argv=None) -> int:
                     pad_token_id=0, intervene_on_prompt=not options.every_token)
     bare_settings = {k: v for k, v in settings.items() if k != "intervene_on_prompt"}
 
-    scratch = tempfile.TemporaryDirectory(prefix="mixed-refts-")
-    folders = save_refts(model, Path(scratch.name), options.refts, layers)
-    many = MultiReftModel(model)
-    for name, folder in folders.items():
-        many.load(name, folder)
+    scratch, many = loaded_refts(model, options.refts, layers, "mixed-refts-")
+    folders = {name: reft.folder for name, reft in many.refts.items()}
     names = many.names
     mixed = [names[row % len(names)] for row in range(options.batch)]
     groups = {name: [row for row, chosen in enumerate(mixed) if chosen == name] for name in dict.fromkeys(mixed)}

@@ -143,7 +143,7 @@ def training(options) -> list[dict]:
                 model = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
                                                         layers_to_transform=layers))
                 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-                step = lambda: common.lora_step(model, ids, optimizer)  # noqa: E731
+                step = common.lora_step(model, ids, optimizer)
             else:
                 pyvene_dist.patch()
                 model = common.reft_model(base, layers)
@@ -152,7 +152,7 @@ def training(options) -> list[dict]:
                                                   device=device)
                 batch = common.reft_batch(ids, locations)
                 optimizer = torch.optim.AdamW(model.get_trainable_parameters(), lr=1e-4)
-                step = lambda: common.reft_step(model, batch, optimizer)  # noqa: E731
+                step = common.reft_step(model, batch, optimizer)
             host: dict = {}
             times = common.interleaved({provider: step}, rounds=options.rounds, steps=options.steps,
                                        device=device, host=host, warmup=options.warmup)

@@ -83,6 +83,31 @@ for part in "$@"; do
     generation)  # the same with pyvene_dist beside the bare model
       python3 benchmarks/generation.py --providers pyvene_dist --new-tokens 1024 --rounds 5 \
         --out "$OUT/generation.jsonl" ;;
+    gpu-debt-tests)  # issue 46's tests: quantized bases, the bf16 flows and reloads, the half-precision saves, and the
+      # static-cache generation tests forced onto the GPU under transformers' default compile (CUDA graphs)
+      PYVENE_DIST_TEST_DEVICE=cuda timeout "${PART_TIMEOUT:-540}" bash scripts/gpu_checks.sh \
+        tests/strategies/test_quantized_gpu.py tests/strategies/test_gpu_bf16.py tests/fixes/test_fsdp_mixed_precision.py \
+        tests/fixes/test_saved_dtypes_half.py tests/fixes/test_fast_path_generation.py tests/fixes/test_fast_path_compile.py \
+        tests/fixes/test_sharded_loading.py ;;
+    mixed-refts)  # issue 46: several ReFTs in one batch against one ReFT's batch, prompt then every-token mode
+      for mode in "" --every-token; do
+        timeout "${PART_TIMEOUT:-240}" python3 benchmarks/mixed_refts.py $mode --rounds 3 --new-tokens 128 \
+          --out "$OUT/mixed-refts.jsonl"
+      done ;;
+    continuous-refts)  # issue 48: 64 requests over 8 ReFTs in continuous batching against the bare model's manager
+      for mode in "" --every-token; do
+        timeout "${PART_TIMEOUT:-240}" python3 benchmarks/continuous_refts.py $mode --out "$OUT/continuous-refts.jsonl"
+      done ;;
+    quantized)  # issue 46: the 4-bit 8B-shape step against PEFT QLoRA, and the planner's 70B weights
+      timeout "${PART_TIMEOUT:-300}" python3 benchmarks/quantized.py --training --planner --rounds 2 \
+        --out "$OUT/quantized.jsonl" ;;
+    generation-static-short)  # generation-static in fewer rounds and tokens, for one call of under 10 minutes
+      timeout "${PART_TIMEOUT:-240}" python3 benchmarks/generation.py --providers pyvene,pyvene_dist --new-tokens 128 \
+        --rounds 3 --out "$OUT/generation.jsonl" ;;
+    overhead-short)  # the training-step A/B against LoRA, 20 steps per measurement in 4 rounds
+      timeout "${PART_TIMEOUT:-180}" python3 benchmarks/overhead.py --steps 20 --rounds 4 --out "$OUT/overhead.jsonl" ;;
+    loading-gpu)  # issue 47: each way of loading an 8B-shaped folder of 8 layers in a fresh process, GPU and host peaks
+      timeout "${PART_TIMEOUT:-240}" python3 benchmarks/loading_gpu.py --layers 8 --out "$OUT/loading-gpu.jsonl" ;;
     tests)  # the GPU tests of the latest changes
       bash scripts/gpu_checks.sh tests/fixes/test_householder.py tests/fixes/test_fast_path.py tests/fixes/test_devices.py \
         tests/fixes/test_gradient_checkpointing.py ;;
