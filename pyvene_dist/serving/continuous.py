@@ -36,11 +36,11 @@ than 2 new tokens (the first comes from the prompt's forward: it would intervene
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
-from transformers.generation.continuous_batching.utils import stream_context
 
 from ..positions import parse_positions
 from .slots import BOTH, FIRST, LAST, PARTS, SPARE_SLOTS, Stage, apply_stage, linear_form, rank_of, width_of
@@ -281,7 +281,8 @@ class ContinuousRefts:
         host[:, :count] = torch.tensor([slots, lengths, every], dtype=torch.int64)
         host[:, count:] = 0
         if device is not host:
-            with stream_context(processor.inputs_and_outputs.compute_stream):
+            stream = processor.inputs_and_outputs.compute_stream  # transformers' stream_context (5.24), inlined:
+            with contextlib.nullcontext() if stream is None else torch.get_device_module().stream(stream):  # 5.17 lacks it
                 device.copy_(host, non_blocking=True)
         return {ROWS: device, TABLES: self.tables()}
 
