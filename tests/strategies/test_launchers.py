@@ -299,6 +299,27 @@ def test_train_reft_under_a_launcher_matches_one_process(one_process, launched, 
 
 
 #: Where the interventions were trained: DDP, FSDP2 (on GPUs; on CPU accelerate trains DDP), ZeRO-3.
+def test_accelerate_fsdp2_on_one_process_matches_one_process(checkpoint, one_process, tmp_path):
+    """The docs' FSDP2 line with ``--num_processes 1`` (FSDP's applied on the CPU too: train_reft_fsdp_on_cpu.py). A
+    world of one loads the base whole, and accelerate, under ``cpu_ram_efficient_loading``, moves the whole model to
+    the meta device before ``fully_shard``: the broadcast of what no file held copied into shards with no storage, and
+    the first forward failed ("FSDP parameters should be materialized from meta device before training"; on an
+    H100 at 3d8fa9c, and here)."""
+    from pyvene_dist.testing.launch import free_port
+
+    command = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "accelerate-fsdp2.yaml"),
+               "--num_processes", "1", "--main_process_port", str(free_port()),
+               str(SCRIPTS / "train_reft_fsdp_on_cpu.py")]
+    run_together([[*command, "--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *FLAGS,
+                   "--output_dir", str(tmp_path), "--per_device_train_batch_size", str(GLOBAL_BATCH)]], cwd=ROOT,
+                 timeout=600)
+    trained = read_trained(tmp_path)
+    torch.testing.assert_close(torch.tensor(trained.losses), torch.tensor(one_process.losses), rtol=1e-5, atol=0)
+    assert trained.weights.keys() == one_process.weights.keys()
+    for name, expected in one_process.weights.items():
+        torch.testing.assert_close(trained.weights[name], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 SERVED = {"ddp": "torchrun", "fsdp2": "accelerate-fsdp2.yaml", "zero3": "accelerate-zero3.yaml"}
 
 
