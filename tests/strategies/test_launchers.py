@@ -231,12 +231,13 @@ def train_reft_arguments(checkpoint, output_dir: Path, launcher=None, world_size
             "--output_dir", str(output_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]
 
 
-def train_reft(checkpoint, output_dir: Path, launcher=None, world_size=1) -> Trained:
+def train_reft(checkpoint, output_dir: Path, launcher, world_size=2) -> Trained:
+    """train_reft.py under ``launcher`` (its run without one: one_process_runs)."""
     from pyvene_dist.testing.launch import free_port
 
     arguments = train_reft_arguments(checkpoint, output_dir, launcher, world_size)
-    commands = LAUNCHES[launcher](free_port(), output_dir) if launcher else [[TRAIN]]
-    run_together([[*command, *arguments] for command in commands], cwd=ROOT, timeout=600)
+    run_together([[*command, *arguments] for command in LAUNCHES[launcher](free_port(), output_dir)], cwd=ROOT,
+                 timeout=600)
     return read_trained(output_dir)
 
 

@@ -188,12 +188,13 @@ def test_patched_sources_pass_the_cpu_suite(copies):
 def carried(copies) -> dict:
     """package -> what the patched copy printed of its sorted ``FIXES`` (None: nothing), and the stderr: both
     packages imported in one fresh interpreter with the copies first on its path (pyreft imports pyvene anyway)."""
-    code = "".join(f"import {package}; print('FIXES {package}', sorted({package}.FIXES))\n"
-                   for package in ("pyvene", "pyreft"))
+    code = "".join(f"import {package}; print('FIXES of {package}:'); print(sorted({package}.FIXES))\n"
+                   for package in ("pyvene", "pyreft"))  # docs/upstreaming.md's line, after a line naming it
     found = subprocess.run([sys.executable, "-c", code], env=upstream_env(copies), capture_output=True, text=True)
-    lines = {line.split(" ", 2)[1]: line.split(" ", 2)[2] for line in found.stdout.splitlines()
-             if line.startswith("FIXES ")}
-    return {package: (lines.get(package), found.stderr) for package in ("pyvene", "pyreft")}
+    lines = found.stdout.splitlines()
+    after = {line[len("FIXES of "):-1]: lines[number + 1] if number + 1 < len(lines) else None
+             for number, line in enumerate(lines) if line.startswith("FIXES of ")}
+    return {package: (after.get(package), found.stderr) for package in ("pyvene", "pyreft")}
 
 
 @pytest.mark.parametrize("package", ["pyvene", "pyreft"])
