@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, THEN, launch_runs, run_launcher, run_together
+from launchers import SCRIPTS, THEN, launch_runs, run_forked, run_launcher, run_together
 from pyvene_dist.testing import ParityCase, Record, assert_parity
 
 pytestmark = pytest.mark.slow
@@ -333,12 +333,13 @@ SERVED = {"ddp": "torchrun", "fsdp2": "accelerate-fsdp2.yaml", "zero3": "acceler
 
 @pytest.fixture(scope="session")
 def served(launched, tmp_path_factory):
-    """A fresh process loads each saved set with pyreft's ReftModel.load and answers PROMPT: serve_each.py runs
-    docs/examples/serve_reft.py's ``load`` for each folder in turn (one process start instead of three), with the
-    model, positions and dtype train_reft.py saved beside the interventions (none is passed here)."""
+    """A process of its own (forked from the preloaded server: launchers.run_forked) loads each saved set with
+    pyreft's ReftModel.load and answers PROMPT: serve_each.py runs docs/examples/serve_reft.py's ``load`` for each
+    folder in turn (one process instead of three), with the model, positions and dtype train_reft.py saved beside
+    the interventions (none is passed here)."""
     folders = {strategy: str(launched(launcher).output_dir / "reft") for strategy, launcher in SERVED.items()}
     out = tmp_path_factory.mktemp("served") / "answers.pt"
-    run_together([[str(ROOT / "tests" / "scripts" / "serve_each.py"), str(out), PROMPT, *folders.values()]], cwd=ROOT)
+    run_forked(ROOT / "tests" / "scripts" / "serve_each.py", [str(out), PROMPT, *folders.values()])
     answers = torch.load(out)
     return {strategy: answers[folder] for strategy, folder in folders.items()}
 

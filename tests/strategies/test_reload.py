@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, run_together
+from launchers import SCRIPTS, run_forked, run_together
 
 pytestmark = pytest.mark.slow
 
@@ -93,11 +93,12 @@ def trained(model_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(trained, tmp_path_factory):
-    """Every folder reloaded in one fresh process by docs/examples/serve_reft.py's ``load`` (pyreft's
-    ``ReftModel.load``) and ``answer``, with what train_reft.py saved beside it (tests/scripts/serve_each.py)."""
+    """Every folder reloaded in one process of its own (forked from the preloaded server: launchers.run_forked) by
+    docs/examples/serve_reft.py's ``load`` (pyreft's ``ReftModel.load``) and ``answer``, with what train_reft.py
+    saved beside it (tests/scripts/serve_each.py)."""
     folders = {configuration: str(trained(*configuration) / "reft") for configuration in CONFIGURATIONS}
     out = tmp_path_factory.mktemp("served") / "answers.pt"
-    run_together([[str(SCRIPTS / "serve_each.py"), str(out), PROMPT, *folders.values()]], cwd=ROOT, timeout=600)
+    run_forked(SCRIPTS / "serve_each.py", [str(out), PROMPT, *folders.values()], timeout=600)
     answers = torch.load(out)
     return {configuration: answers[folder] for configuration, folder in folders.items()}
 
