@@ -244,17 +244,16 @@ def train_reft(checkpoint, output_dir: Path, launcher, world_size=2) -> Trained:
 @pytest.fixture(scope="module")
 def one_process_runs(checkpoint, tmp_path_factory) -> Path:
     """The module's runs of train_reft.py without a launcher, made in one process one after the other
-    (tests/scripts/train_reft_each.py: train_reft.py as ``__main__`` for each, one start, one import of pyvene):
+    (tests/scripts/train_reft_each.py: train_reft.py as ``__main__`` for each, one start, one import of pyreft; the
+    process is forked from the preloaded server by launchers.run_forked):
     first ``one-process``, the reference of every launcher (``FLAGS``), made first so that it runs as it runs alone;
     then test_a_tokenizer_saved_without_a_length_trains_to_the_model_length's two runs of one step on ``no-length``,
     a copy of the checkpoint whose tokenizer was saved without a ``model_max_length``: ``default`` and ``flag``
     (``--model_max_length 5``). Returns ``(folder, failed)``: the folder holding the three output folders and
-    ``no-length``, and the launch's report if it exited non-zero or ran past its timeout, else ``""`` (each test
+    ``no-length``, and the process's report if it failed or ran past its timeout, else ``""`` (each test
     that reads a run fails with it, as a launch of its own would have, but one_process where its own run completed
     before: its folder's last file, answer.pt, is written)."""
     import shutil
-
-    from launchers import _run
 
     folder = tmp_path_factory.mktemp("one-process-runs")
     no_length = folder / "no-length"
@@ -267,9 +266,11 @@ def one_process_runs(checkpoint, tmp_path_factory) -> Path:
         ["--model", str(no_length), "--data", str(checkpoint / "train.json"), *flags, "--max_steps", "1",
          "--output_dir", str(folder / name), *extra]
         for extra, name in (([], "default"), (["--model_max_length", "5"], "flag"))]
-    _, failed = _run([[str(SCRIPTS / "train_reft_each.py"), *[a for run in runs for a in (THEN, *run)][1:]]],
-                     cwd=ROOT, timeout=600)
-    return folder, "\n\n".join(failed)
+    try:  # a process of its own, forked from the preloaded server
+        run_forked(SCRIPTS / "train_reft_each.py", [a for run in runs for a in (THEN, *run)][1:], timeout=600)
+    except pytest.fail.Exception as failed:
+        return folder, str(failed)
+    return folder, ""
 
 
 @pytest.fixture(scope="module")
