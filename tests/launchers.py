@@ -75,3 +75,60 @@ def _run(commands, *, timeout=480, env=None, cwd=None):
         if process.returncode != 0:
             failed.append(f"{' '.join(command)} exited {process.returncode}:\n{output}")
     return outputs, failed
+
+
+def run_forked(script, arguments=(), *, timeout=480, cwd=None):
+    """``python script arguments`` as a process of its own forked from the preloaded server
+    (pyvene_dist.testing._preloaded: torch, transformers and pyvene imported, nothing patched, nothing of the
+    test's; spawn's fresh interpreter where there is no server): the script runs as ``__main__`` with its folder
+    first on ``sys.path`` and one intra-op thread (what ``run_together``'s ``OMP_NUM_THREADS=1`` gives a fresh
+    interpreter), in ``cwd`` (None: this process's), without paying the 5 of 7 seconds a fresh interpreter takes to
+    import those here. Fails the test, with the script's output (its stdout and stderr), if it fails or runs past
+    ``timeout`` seconds; returns that output."""
+    import tempfile
+
+    from pyvene_dist.testing import _preloaded
+
+    with tempfile.TemporaryDirectory(prefix="forked-") as folder:
+        log = str(Path(folder) / "output.txt")
+        process = _preloaded.context().Process(target=_run_script, args=(str(script), [*map(str, arguments)], log, cwd),
+                                               daemon=True)
+        process.start()
+        process.join(timeout)
+        timed_out = process.is_alive()
+        if timed_out:
+            process.kill()
+            process.join()
+        output = Path(log).read_text(errors="replace") if Path(log).exists() else ""
+    if timed_out or process.exitcode != 0:
+        what = f"ran past {timeout}s" if timed_out else f"exited {process.exitcode}"
+        pytest.fail(f"{script} {' '.join(map(str, arguments))} {what}:\n{output}")
+    return output
+
+
+def _run_script(script: str, arguments: list, log: str, cwd) -> None:
+    """In the forked process: file descriptors 1 and 2 to ``log`` (what Python, the loggers the server's imports made
+    and C code write), then the script as ``__main__``."""
+    import runpy
+    import traceback
+
+    torch.set_num_threads(1)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.stdout.flush(), sys.stderr.flush()
+    file = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(file, 1), os.dup2(file, 2)
+    os.close(file)
+    try:
+        sys.argv = [script, *arguments]
+        sys.path.insert(0, str(Path(script).parent))
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exited:
+        if exited.code not in (None, 0):
+            traceback.print_exc()
+            raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()

@@ -136,11 +136,16 @@ print("FOUND " + json.dumps(found))
 """
 
 
-def run_cases(cases: list) -> list:
-    result = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cases)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in result.stdout.splitlines() if line.startswith("FOUND ")]
-    assert result.returncode == 0 and lines, f"the runner failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+def run_cases(cases: list, folder: Path) -> list:
+    """RUNNER on ``cases``, as ``python -c RUNNER`` in the repository with one intra-op thread, in a process forked
+    from the preloaded server (launchers.run_forked: torch, transformers and pyvene are not imported again)."""
+    from launchers import run_forked
+
+    runner = folder / "runner.py"
+    runner.write_text(RUNNER)
+    output = run_forked(runner, [json.dumps(cases)], cwd=ROOT, timeout=600)
+    lines = [line for line in output.splitlines() if line.startswith("FOUND ")]
+    assert lines, f"the runner failed:\n{output[-8000:]}"
     return json.loads(lines[0][len("FOUND "):])
 
 
@@ -189,8 +194,9 @@ def no_tokenizer_folder(model_folder, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def script_results(model_folder, no_tokenizer_folder, tmp_path_factory) -> dict:
-    """Every train and serve case, in one subprocess. The serve cases read interventions saved here with pyreft's
-    ``ReftModel.save`` and train_reft.py's settings beside them (as saved, or copied and broken)."""
+    """Every train and serve case, in one process of its own (run_cases). The serve cases read interventions saved
+    here with pyreft's ``ReftModel.save`` and train_reft.py's settings beside them (as saved, or copied and
+    broken)."""
     import transformers
 
     from pyvene_dist.testing import models
@@ -227,7 +233,7 @@ def script_results(model_folder, no_tokenizer_folder, tmp_path_factory) -> dict:
     last = [number for number, case in enumerate(TRAIN_CASES) if "--deepspeed" in case[1]]
     order = [number for number in range(len(trains)) if number not in last] + \
         [len(trains) + number for number in range(len(serves))] + last
-    found = dict(zip(order, run_cases([(trains + serves)[number] for number in order])))
+    found = dict(zip(order, run_cases([(trains + serves)[number] for number in order], work)))
     results = [found[number] for number in range(len(trains) + len(serves))]
     return {"train": dict(zip([case[0] for case in TRAIN_CASES], results[:len(trains)])),
             "serve": dict(zip([case[0] for case in SERVE_CASES], results[len(trains):])), "places": places}

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,15 +62,18 @@ def _arguments(program: str, given: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def parsed_by_the_scripts() -> dict[tuple[str, str], tuple[object, str]]:
-    """(script, arguments) -> (value, stderr) for every script case of ``SPELLINGS``, in one process."""
+def parsed_by_the_scripts(tmp_path_factory) -> dict[tuple[str, str], tuple[object, str]]:
+    """(script, arguments) -> (value, stderr) for every script case of ``SPELLINGS``, in one process (forked from
+    the preloaded server: launchers.run_forked)."""
+    from launchers import run_forked
+
     cases = [(program, given, attribute) for program, given, attribute, _, _ in SPELLINGS if program.endswith(".py")]
-    result = subprocess.run([sys.executable, "-c", SCRIPT_PARSER,
-                             json.dumps([[program, _arguments(program, given), attribute]
-                                         for program, given, attribute in cases])],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("PARSED ")]
-    assert result.returncode == 0 and lines, f"parsing the scripts' flags failed:\n{result.stderr[-4000:]}"
+    parser_file = tmp_path_factory.mktemp("script-parser") / "parse.py"
+    parser_file.write_text(SCRIPT_PARSER)
+    output = run_forked(parser_file, [json.dumps([[program, _arguments(program, given), attribute]
+                                              for program, given, attribute in cases])], cwd=ROOT, timeout=300)
+    lines = [line for line in output.splitlines() if line.startswith("PARSED ")]
+    assert lines, f"parsing the scripts' flags failed:\n{output[-4000:]}"
     return {(program, given): tuple(found) for (program, given, _), found in zip(cases, json.loads(lines[0][7:]))}
 
 

@@ -86,7 +86,8 @@ _DEEPSPEED_TWO_NODES = ("deepspeed --hostfile hostfile --no_ssh --node_rank {} -
                         "--master_port 29500 docs/examples/train_reft.py " + _ZERO3_ARGS)
 TRAIN_REFT_COMMANDS: dict[str, RunBy] = {
     f"python docs/examples/train_reft.py {_REFT_ARGS}": RunBy("tests/strategies/test_launchers.py::"
-                                                             "test_one_process_logs_saves_and_answers", ("[[TRAIN]]",)),
+                                                             "test_one_process_logs_saves_and_answers",
+                                                             ("train_reft_each.py", '"one-process")]')),
     f"torchrun --nproc_per_node 2 docs/examples/train_reft.py {_REFT_ARGS}":
         RunBy(TRAIN_REFT, ('"--nproc_per_node", "2"', '"torchrun": _torchrun')),
     **{_TWO_NODES.format(rank): RunBy(TRAIN_REFT, ('"--nnodes", "2"', '"--rdzv_backend", "c10d"', "localhost:"))

@@ -177,21 +177,41 @@ TRAINER_STAGES = [
     pytest.param("3", id="zero3-from_pretrained-under-zero.Init"),
     pytest.param("3-offload", id="zero3-offload", marks=pytest.mark.gpus(2)),
 ]
+#: The stages every machine runs, made in one launch (the others, which need GPUs, each in a launch of its own).
+LAUNCHED_TOGETHER = ("1", "2", "3")
+
+
+@pytest.fixture(scope="module")
+def trainer_stages(tmp_path_factory):
+    """stage -> the Record of train_with_trainer.py ``--deepspeed stage`` under torchrun with 2 processes. The stages
+    of LAUNCHED_TOGETHER are made in one launch, one after the other in the same processes (launchers.launch_runs;
+    ZeRO-3 last, and HF's DeepSpeed config is unset after each run), by the first test that asks: each launched
+    process imports torch, transformers and pyvene once, and each run gives the Record it gives when launched alone."""
+    from launchers import SCRIPTS, launch_runs
+    from pyvene_dist.testing.launch import free_port
+
+    folder = tmp_path_factory.mktemp("trainer-stages")
+    launched = {}
+
+    def get(stage):
+        if stage not in launched:
+            stages = LAUNCHED_TOGETHER if stage in LAUNCHED_TOGETHER else (stage,)
+            torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                        str(SCRIPTS / "train_with_trainer.py")]
+            record, _ = launch_runs(folder, torchrun, [("--deepspeed", name) for name in stages])
+            launched.update({name: (lambda number=number: record(number)) for number, name in enumerate(stages)})
+        return launched[stage]()
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.ranks(2)  # torchrun's rank 1 takes cuda:1: "device_id cuda:1 is out of range" on a one-GPU machine
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
-def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(tmp_path, stage, patched):
+def test_hf_trainer_deepspeed_under_torchrun_matches_one_process(trainer_stages, stage, patched):
     """The reference is one patched process (``patched``), as the script's ranks are: stock pyvene's
     ``zero_grad`` keeps the trainable head's gradients summing from step to step (``fixes.zero_grad``; the
     third loss is then 1.5e-3 off)."""
-    from launchers import SCRIPTS, run_launcher
-    from pyvene_dist.testing.launch import free_port
-
-    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                str(SCRIPTS / "train_with_trainer.py")]
-    record = run_launcher(tmp_path, torchrun, ["--deepspeed", stage])
+    record = trainer_stages(stage)
     case = ParityCase()
     print(f"HF Trainer DeepSpeed {stage}: {record.losses}")
     assert record.world_size == 2

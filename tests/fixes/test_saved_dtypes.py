@@ -1,4 +1,4 @@
-"""``ReftModel.load`` in a fresh process gives back the trained model exactly, in the dtype it was saved in
+"""``ReftModel.load`` in a process of its own gives back the trained model exactly, in the dtype it was saved in
 (fixes.checkpoints.saved_dtypes: ``IntervenableModel.save`` and ``load``).
 
 pyreft 0.1.0 rebuilt LoReFT's ``learned_source`` in bfloat16 whatever it was saved in (on a float32 model
@@ -6,18 +6,19 @@ the first forward failed: ``mat1 and mat2 must have the same dtype, but got Floa
 LoReFT's rotation came back only to rounding.
 """
 
-import os
-import subprocess
+import contextlib
 import sys
-from pathlib import Path
+import traceback
 
 import pytest
 import torch
 
 import helpers
-from pyvene_dist.testing import models
+from pyvene_dist.testing import _preloaded, models
 
-#: A fresh interpreter: patched as the tests patch (PYVENE_DIST_TEST_WITHOUT applies), the checkpoint loaded
+#: A process of its own, forked from the preloaded server (pyvene_dist.testing._preloaded: torch, transformers and
+#: pyvene imported, nothing patched, no model built; a fresh interpreter where that server is not used): patched as
+#: the tests patch (PYVENE_DIST_TEST_WITHOUT applies), the checkpoint loaded
 #: with Auto*, the interventions with pyreft's ReftModel.load, then the same forward as the trained model's.
 LOAD_AND_ANSWER = """
 import sys, torch
@@ -39,6 +40,32 @@ torch.save({**inputs, "logits": answer.logits}, out)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return models.save_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+def _in_process(argv, log: str) -> None:
+    with open(log, "w") as stream, contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        try:
+            sys.argv = ["load_and_answer", *argv]
+            exec(compile(LOAD_AND_ANSWER, "<LOAD_AND_ANSWER>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            raise SystemExit(1)
+
+
+def _load_and_answer(*argv: str) -> None:
+    """LOAD_AND_ANSWER in a process of its own (forked from the preloaded server: the 5 of 7 seconds a fresh
+    interpreter takes to import torch, transformers and pyvene here are not paid again); fails the test with its
+    output if it fails."""
+    log = argv[-1] + ".log"
+    process = _preloaded.context().Process(target=_in_process, args=(argv, log), daemon=True)
+    process.start()
+    process.join(300)
+    if process.is_alive():
+        process.kill()
+        pytest.fail("LOAD_AND_ANSWER still running after 300 s")
+    if process.exitcode != 0:
+        with open(log) as output:
+            pytest.fail(f"LOAD_AND_ANSWER failed (exit {process.exitcode}):\n{output.read()}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -66,10 +93,7 @@ def test_reloaded_interventions_answer_exactly_as_trained(patched, checkpoint, t
         _, trained = reft_model({"input_ids": ids}, unit_locations=locations)
     out = tmp_path / "answer.pt"
     torch.save({"ids": ids, "locations": locations}, out)
-    tests = str(Path(__file__).parents[1])  # helpers, for the fresh process as for this one
-    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, "-c", LOAD_AND_ANSWER, str(checkpoint), str(saved), dtype, str(out)], check=True,
-                   env={**os.environ, "PYTHONPATH": path})
+    _load_and_answer(str(checkpoint), str(saved), dtype, str(out))
     reloaded = torch.load(out)["logits"]
     assert reloaded.dtype == trained.logits.dtype == getattr(torch, dtype)
     torch.testing.assert_close(reloaded, trained.logits, rtol=0, atol=0)

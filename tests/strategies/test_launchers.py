@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, THEN, launch_runs, run_launcher, run_together
+from launchers import SCRIPTS, THEN, launch_runs, run_forked, run_launcher, run_together
 from pyvene_dist.testing import ParityCase, Record, assert_parity
 
 pytestmark = pytest.mark.slow
@@ -225,20 +225,60 @@ def checkpoint(tmp_path_factory):
 AS_PRINTED = ("torchrun", "deepspeed")
 
 
-def train_reft(checkpoint, output_dir: Path, launcher=None, world_size=1) -> Trained:
+def train_reft_arguments(checkpoint, output_dir: Path, launcher=None, world_size=1) -> list[str]:
+    flags = [flag for flag in FLAGS if flag != "--use_cpu" or launcher not in AS_PRINTED or torch.cuda.is_available()]
+    return ["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *flags,
+            "--output_dir", str(output_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]
+
+
+def train_reft(checkpoint, output_dir: Path, launcher, world_size=2) -> Trained:
+    """train_reft.py under ``launcher`` (its run without one: one_process_runs)."""
     from pyvene_dist.testing.launch import free_port
 
-    flags = [flag for flag in FLAGS if flag != "--use_cpu" or launcher not in AS_PRINTED or torch.cuda.is_available()]
-    arguments = ["--model", str(checkpoint), "--data", str(checkpoint / "train.json"), *flags,
-                 "--output_dir", str(output_dir), "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]
-    commands = LAUNCHES[launcher](free_port(), output_dir) if launcher else [[TRAIN]]
-    run_together([[*command, *arguments] for command in commands], cwd=ROOT, timeout=600)
+    arguments = train_reft_arguments(checkpoint, output_dir, launcher, world_size)
+    run_together([[*command, *arguments] for command in LAUNCHES[launcher](free_port(), output_dir)], cwd=ROOT,
+                 timeout=600)
     return read_trained(output_dir)
 
 
-@pytest.fixture(scope="session")
-def one_process(checkpoint, tmp_path_factory):
-    return train_reft(checkpoint, tmp_path_factory.mktemp("one-process"))
+@pytest.fixture(scope="module")
+def one_process_runs(checkpoint, tmp_path_factory) -> Path:
+    """The module's runs of train_reft.py without a launcher, made in one process one after the other
+    (tests/scripts/train_reft_each.py: train_reft.py as ``__main__`` for each, one start, one import of pyreft; the
+    process is forked from the preloaded server by launchers.run_forked):
+    first ``one-process``, the reference of every launcher (``FLAGS``), made first so that it runs as it runs alone;
+    then test_a_tokenizer_saved_without_a_length_trains_to_the_model_length's two runs of one step on ``no-length``,
+    a copy of the checkpoint whose tokenizer was saved without a ``model_max_length``: ``default`` and ``flag``
+    (``--model_max_length 5``). Returns ``(folder, failed)``: the folder holding the three output folders and
+    ``no-length``, and the process's report if it failed or ran past its timeout, else ``""`` (each test
+    that reads a run fails with it, as a launch of its own would have, but one_process where its own run completed
+    before: its folder's last file, answer.pt, is written)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("one-process-runs")
+    no_length = folder / "no-length"
+    shutil.copytree(checkpoint, no_length)
+    settings = json.loads((no_length / "tokenizer_config.json").read_text())
+    del settings["model_max_length"]
+    (no_length / "tokenizer_config.json").write_text(json.dumps(settings))
+    flags = [flag for flag in FLAGS if flag not in ("--prompt", PROMPT)]
+    runs = [train_reft_arguments(checkpoint, folder / "one-process")] + [
+        ["--model", str(no_length), "--data", str(checkpoint / "train.json"), *flags, "--max_steps", "1",
+         "--output_dir", str(folder / name), *extra]
+        for extra, name in (([], "default"), (["--model_max_length", "5"], "flag"))]
+    try:  # a process of its own, forked from the preloaded server
+        run_forked(SCRIPTS / "train_reft_each.py", [a for run in runs for a in (THEN, *run)][1:], timeout=600)
+    except pytest.fail.Exception as failed:
+        return folder, str(failed)
+    return folder, ""
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_runs):
+    folder, failed = one_process_runs
+    if failed and not (folder / "one-process" / "answer.pt").is_file():
+        pytest.fail(failed)
+    return read_trained(folder / "one-process")
 
 
 @pytest.fixture(scope="session")
@@ -253,28 +293,18 @@ def launched(checkpoint, tmp_path_factory):
     return get
 
 
-def test_a_tokenizer_saved_without_a_length_trains_to_the_model_length(checkpoint, tmp_path):
+def test_a_tokenizer_saved_without_a_length_trains_to_the_model_length(one_process_runs):
     """pyreft's data helpers truncate to ``tokenizer.model_max_length``: a tokenizer saved without one holds
     1e30, and they stopped with ``OverflowError: int too big to convert``. The script passes the model's
-    ``max_position_embeddings`` (or ``--model_max_length``)."""
-    import shutil
-
-    folder = tmp_path / "no-length"
-    shutil.copytree(checkpoint, folder)
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    del settings["model_max_length"]
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    ``max_position_embeddings`` (or ``--model_max_length``). Both runs (``default`` and ``flag``) are made by
+    one_process_runs, in its one process."""
     from transformers import AutoTokenizer
 
-    assert AutoTokenizer.from_pretrained(folder).model_max_length > 2 ** 63  # as saved: no length
-    flags = [flag for flag in FLAGS if flag not in ("--prompt", PROMPT)]
-    runs = [["--model", str(folder), "--data", str(checkpoint / "train.json"), *flags, "--max_steps", "1",
-             "--output_dir", str(tmp_path / name), *extra]
-            for extra, name in (([], "default"), (["--model_max_length", "5"], "flag"))]
-    # Both runs in one process (train_reft.py as __main__ for each): one start, one import of pyvene.
-    run_together([[str(SCRIPTS / "train_reft_each.py"), *runs[0], THEN, *runs[1]]], cwd=ROOT,
-                 timeout=300)
-    logged = {name: json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"][0]
+    one_process_runs, failed = one_process_runs
+    if failed:
+        pytest.fail(failed)
+    assert AutoTokenizer.from_pretrained(one_process_runs / "no-length").model_max_length > 2 ** 63  # saved: no length
+    logged = {name: json.loads((one_process_runs / name / "trainer_state.json").read_text())["log_history"][0]
               for name in ("default", "flag")}
     # The examples are 6 tokens long: kept whole at the model's 128 positions, cut to 5 by the flag.
     assert logged["default"]["loss"] != logged["flag"]["loss"]
@@ -325,12 +355,13 @@ SERVED = {"ddp": "torchrun", "fsdp2": "accelerate-fsdp2.yaml", "zero3": "acceler
 
 @pytest.fixture(scope="session")
 def served(launched, tmp_path_factory):
-    """A fresh process loads each saved set with pyreft's ReftModel.load and answers PROMPT: serve_each.py runs
-    docs/examples/serve_reft.py's ``load`` for each folder in turn (one process start instead of three), with the
-    model, positions and dtype train_reft.py saved beside the interventions (none is passed here)."""
+    """A process of its own (forked from the preloaded server: launchers.run_forked) loads each saved set with
+    pyreft's ReftModel.load and answers PROMPT: serve_each.py runs docs/examples/serve_reft.py's ``load`` for each
+    folder in turn (one process instead of three), with the model, positions and dtype train_reft.py saved beside
+    the interventions (none is passed here)."""
     folders = {strategy: str(launched(launcher).output_dir / "reft") for strategy, launcher in SERVED.items()}
     out = tmp_path_factory.mktemp("served") / "answers.pt"
-    run_together([[str(ROOT / "tests" / "scripts" / "serve_each.py"), str(out), PROMPT, *folders.values()]], cwd=ROOT)
+    run_forked(ROOT / "tests" / "scripts" / "serve_each.py", [str(out), PROMPT, *folders.values()])
     answers = torch.load(out)
     return {strategy: answers[folder] for strategy, folder in folders.items()}
 

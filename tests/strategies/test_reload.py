@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, run_together
+from launchers import SCRIPTS, run_forked, run_together
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,9 @@ def model_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(model_folder, tmp_path_factory):
-    """(strategy, dtype) -> the output folder of its one training run, made by the first test that asks."""
+    """(strategy, dtype) -> the output folder of its one training run, made by the first test that asks. The run of
+    one process is ``python train_reft.py`` as launchers.run_forked makes it: as ``__main__`` in a process of its
+    own forked from the preloaded server (not a fresh interpreter's imports again)."""
     from pyvene_dist.testing.launch import free_port
 
     runs = {}
@@ -83,9 +85,13 @@ def trained(model_folder, tmp_path_factory):
         if (strategy, dtype) not in runs:
             out = tmp_path_factory.mktemp(f"{strategy}-{dtype}")
             world_size = 1 if strategy == "one-process" else 2
-            run_together([[*_launch(strategy, free_port()), "--model", str(model_folder), "--data",
-                           str(model_folder / "train.json"), *FLAGS, *DTYPES[dtype], "--output_dir", str(out),
-                           "--per_device_train_batch_size", str(GLOBAL_BATCH // world_size)]], cwd=ROOT, timeout=600)
+            arguments = ["--model", str(model_folder), "--data", str(model_folder / "train.json"), *FLAGS,
+                         *DTYPES[dtype], "--output_dir", str(out), "--per_device_train_batch_size",
+                         str(GLOBAL_BATCH // world_size)]
+            if strategy == "one-process":  # python train_reft.py, in a process forked from the preloaded server
+                run_forked(TRAIN, arguments, timeout=600)
+            else:
+                run_together([[*_launch(strategy, free_port()), *arguments]], cwd=ROOT, timeout=600)
             runs[strategy, dtype] = out
         return runs[strategy, dtype]
     return get
@@ -93,11 +99,12 @@ def trained(model_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(trained, tmp_path_factory):
-    """Every folder reloaded in one fresh process by docs/examples/serve_reft.py's ``load`` (pyreft's
-    ``ReftModel.load``) and ``answer``, with what train_reft.py saved beside it (tests/scripts/serve_each.py)."""
+    """Every folder reloaded in one process of its own (forked from the preloaded server: launchers.run_forked) by
+    docs/examples/serve_reft.py's ``load`` (pyreft's ``ReftModel.load``) and ``answer``, with what train_reft.py
+    saved beside it (tests/scripts/serve_each.py)."""
     folders = {configuration: str(trained(*configuration) / "reft") for configuration in CONFIGURATIONS}
     out = tmp_path_factory.mktemp("served") / "answers.pt"
-    run_together([[str(SCRIPTS / "serve_each.py"), str(out), PROMPT, *folders.values()]], cwd=ROOT, timeout=600)
+    run_forked(SCRIPTS / "serve_each.py", [str(out), PROMPT, *folders.values()], timeout=600)
     answers = torch.load(out)
     return {configuration: answers[folder] for configuration, folder in folders.items()}
 

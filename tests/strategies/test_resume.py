@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import SCRIPTS, launch_runs, run_together
+from launchers import SCRIPTS, launch_runs, run_forked, run_together
 from pyvene_dist.testing import Record
 
 pytestmark = pytest.mark.slow
@@ -207,9 +207,6 @@ print("PARSED " + json.dumps(found))
 def test_train_reft_resume_argument(tmp_path):
     """What ``--resume_from_checkpoint`` resumes from, or the error that names the flag and the folder; parsed
     in one process, before any model is loaded. A folder that is not there used to train from step 1 and exit 0."""
-    import subprocess
-    import sys
-
     argvs = []
     for number, (given, folders, _) in enumerate(RESUME_ARGUMENTS):
         out = tmp_path / str(number)
@@ -219,10 +216,11 @@ def test_train_reft_resume_argument(tmp_path):
                 (out / name / "trainer_state.json").write_text("{}")
         argvs.append(["--model", "m", "--data", "d.json", "--output_dir", str(out),
                       "--resume_from_checkpoint", given.replace("OUT", str(out))])
-    result = subprocess.run([sys.executable, "-c", PARSE, json.dumps(argvs)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("PARSED ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    program = tmp_path / "parse.py"  # python -c PARSE, in a process forked from the preloaded server
+    program.write_text(PARSE)
+    output = run_forked(program, [json.dumps(argvs)], cwd=ROOT, timeout=300)
+    lines = [line for line in output.splitlines() if line.startswith("PARSED ")]
+    assert lines, output[-4000:]
     for number, ((given, _, expected), found) in enumerate(zip(RESUME_ARGUMENTS, json.loads(lines[0][7:]))):
         expected = expected and expected.replace("OUT", str(tmp_path / str(number)))
         if expected and expected.startswith("error: "):
