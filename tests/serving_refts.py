@@ -13,11 +13,14 @@ import os
 from pathlib import Path
 
 import pyreft
+import pytest
 import torch
 import transformers
 
 import pyvene_dist
 from pyvene_dist.serving import SETTINGS, MultiReftModel
+from pyvene_dist.serving.batching import require_transformers
+from pyvene_dist.versions import UnsupportedVersionError
 from pyvene_dist.testing.models import save_checkpoint
 
 #: New tokens of every answer compared, and the server's --max_tokens: within them each ReFT changes the tokens of
@@ -32,6 +35,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 SERVED = ("lo", "no", "di")
 BODY_TIMEOUT = 2
 #: name: (pyreft class, layers, positions, share_weights, component)
+
+
+def needs_transformers(*requirement: str) -> pytest.MarkDecorator:
+    """Skips a test on a transformers the serving path refuses (``batching.require_transformers(*requirement)``),
+    its refusal the reason; tests/test_serving.py tests the refusals."""
+    try:
+        require_transformers(*requirement)
+    except UnsupportedVersionError as error:
+        return pytest.mark.skip(reason=str(error))
+    return pytest.mark.usefixtures()
+
+
 REFTS = {
     "lo": ("LoreftIntervention", (0, 1), "f1+l1", False, "block_output"),
     "no": ("NoreftIntervention", (1,), "l1", False, "block_output"),

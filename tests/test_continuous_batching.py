@@ -21,9 +21,9 @@ import transformers  # noqa: E402
 
 import pyvene_dist  # noqa: E402
 from pyvene_dist.serving.continuous import ReftRequestError  # noqa: E402
-from serving_refts import NEW_TOKENS, load_many  # noqa: E402
+from serving_refts import NEW_TOKENS, load_many, needs_transformers  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_transformers()]
 
 LENGTHS = [2, 3, 4, 5, 7, 9, 12, 16, 23, 31, 45, 64, 90, 120, 160, 200]
 #: The ReFT of each request (DiReFT's f2+l2 needs 4 tokens: never on the two shortest).

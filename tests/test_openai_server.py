@@ -20,9 +20,10 @@ openai = pytest.importorskip("openai")
 
 import pyvene_dist  # noqa: E402
 from pyvene_dist.serving import command  # noqa: E402
-from serving_refts import BODY_TIMEOUT, NEW_TOKENS  # noqa: E402
+from pyvene_dist.serving.batching import SERVER  # noqa: E402
+from serving_refts import BODY_TIMEOUT, NEW_TOKENS, needs_transformers  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_transformers(SERVER, "pyvene-dist serve")]
 
 PROMPTS = ["red cat runs fast", "big dog", "small bird sits on the tree", "cold river stone sits", "green tree",
            "the red river runs"]

@@ -214,3 +214,34 @@ def test_the_benchmark_smoke_writes_every_provider(tmp_path):
     assert rows["mixed-refts"]["groups"] == 2 and len(rows["mixed-refts"]["ratio_rounds"]) == 2
     assert rows["bare"]["base_per_reft_bytes"] == 2 * rows["bare"]["base_bytes"] + rows["bare"]["reft_bytes"]
     assert all(row["commit"] and row["run_id"] and row["machine"] and row["versions"]["torch"] for row in rows.values())
+
+
+def test_an_older_transformers_is_refused_naming_the_versions(saved, many, monkeypatch):
+    """transformers 5.17's continuous batching has no manager pause and no ``page_size`` (the tests failed with
+    "ContinuousBatchingConfig.__init__() got an unexpected keyword argument 'page_size'"), and 5.18-5.23's
+    ``transformers serve`` internals differ from those openai_api builds on: each entry refuses them naming the
+    release found and the one needed, before a manager starts; the padded ``generate`` (above) runs on both."""
+    from pyvene_dist.serving import command
+    from pyvene_dist.serving.batching import require_transformers
+    from pyvene_dist.versions import UnsupportedVersionError, installed
+
+    real_version, found = installed.version, {}
+    monkeypatch.setattr(installed, "version", lambda name: found.get(name) or real_version(name))
+    found["transformers"] = "5.17.0"
+    refused = ("ReFT continuous batching needs transformers >=5.18 (found 5.17.0): pip install -U 'transformers>=5.18'; "
+               "MultiReftModel.generate (padded batches) works on 5.17.0")
+    with pytest.raises(UnsupportedVersionError) as error:
+        many.init_continuous_batching()
+    assert str(error.value) == refused
+    with pytest.raises(UnsupportedVersionError) as error:
+        many.generate_batch([[1, 2, 3]], refts=[None])
+    assert str(error.value) == refused
+    assert many._continuous is None  # refused before any hook went on the model
+    found["transformers"] = "5.23.0"
+    require_transformers()  # continuous batching runs from 5.18
+    with pytest.raises(SystemExit) as stopped:
+        command.main(["--model", str(saved.base_folder)])
+    assert stopped.value.code == (
+        "pyvene-dist serve needs transformers >=5.24 (found 5.23.0): pip install -U 'transformers>=5.24'; "
+        "MultiReftModel.generate (padded batches) and continuous batching (init_continuous_batching, generate_batch) "
+        "work on 5.23.0")

@@ -10,11 +10,41 @@ import queue
 import threading
 import time
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 
+from ..versions import UnsupportedVersionError, installed
 from .continuous import CHILD, ContinuousRefts, ReftRequestError
+
+#: The oldest transformers whose continuous batching the ReFT manager runs on: 5.18 added the manager's ``pause``
+#: (a ReFT loaded or unloaded while the manager runs waits in it), named the cache's ``block_size`` ``page_size`` and
+#: reworked the cache's allocation beneath. The padded ``MultiReftModel.generate`` needs none of it.
+CONTINUOUS_BATCHING = ">=5.18"
+#: The oldest transformers whose ``transformers serve`` internals ``openai_api`` builds on: 5.18-5.22's
+#: ``ModelManager`` takes no ``continuous_batching``, and 5.23's server answered the concurrent completions of
+#: tests/test_openai_server.py with a 500.
+SERVER = ">=5.24"
+
+
+def require_transformers(specifier: str = CONTINUOUS_BATCHING, needed_by: str = "ReFT continuous batching") -> None:
+    """``UnsupportedVersionError`` naming the transformers found, the one needed and what works on it, where it is
+    not ``specifier``: before any manager starts, rather than a stranger error from inside transformers."""
+    found = installed.version("transformers")
+    if found is None or _admits(specifier, found):
+        return
+    usable = ["MultiReftModel.generate (padded batches)"]
+    if _admits(CONTINUOUS_BATCHING, found):
+        usable.append("continuous batching (init_continuous_batching, generate_batch)")
+    raise UnsupportedVersionError(f"{needed_by} needs transformers {specifier} (found {found}): pip install -U "
+                                  f"'transformers{specifier}'; {' and '.join(usable)} work"
+                                  f"{'s' * (len(usable) == 1)} on {found}")
+
+
+def _admits(specifier: str, version: str) -> bool:
+    return SpecifierSet(specifier).contains(Version(version), prereleases=True)
 
 
 class _Router(OutputRouter):
@@ -127,6 +157,7 @@ def init_manager(many, generation_config=None, continuous_batching_config: Conti
                  workload_hints=None) -> ReftBatchingManager:
     """A ``ReftBatchingManager`` over ``many``'s model and ReFTs, as ``model.init_continuous_batching`` makes
     transformers' own (block sharing off: see ``continuous``)."""
+    require_transformers()
     engine = many._continuous
     if engine is not None and engine.manager is not None and engine.manager.is_running():
         raise RuntimeError("a continuous batching manager of this MultiReftModel is running; stop it first")

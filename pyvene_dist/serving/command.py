@@ -20,6 +20,8 @@ import torch
 import transformers
 
 from .. import flags
+from ..versions import UnsupportedVersionError
+from .batching import SERVER, require_transformers
 from .multi_reft import SETTINGS, MultiReftModel
 
 
@@ -111,11 +113,15 @@ def base_settings(refts: dict[str, str], model: str | None, dtype: str | None) -
 
 
 def main(argv=None) -> int:
+    options = parse_arguments(argv)
+    try:
+        require_transformers(SERVER, "pyvene-dist serve")  # before transformers serve's modules are imported
+    except UnsupportedVersionError as error:
+        raise SystemExit(str(error)) from None
     # The serve extra's (uvicorn; fastapi in openai_api), optional: here, so that --help works without them.
     import uvicorn
     from .openai_api import build_app
 
-    options = parse_arguments(argv)
     model_path, dtype = base_settings(options.refts, options.model, options.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)

@@ -34,7 +34,7 @@ from transformers.cli.serving.model_manager import ModelManager, TimedModel
 from transformers.cli.serving.server import build_server
 from transformers.cli.serving.utils import CBGenerateManager, GenerationState
 
-from .batching import ReftBatchingManager
+from .batching import SERVER, ReftBatchingManager, require_transformers
 from .continuous import ReftRequestError
 from .multi_reft import MultiReftModel
 
@@ -144,6 +144,7 @@ class ReftServer:
         self.many, self.tokenizer, self.model_id, self.base_name = many, tokenizer, model_id, base_name
         self.default_max_tokens, self.body_timeout = default_max_tokens, body_timeout
         self.allow_runtime_loading = allow_runtime_loading
+        require_transformers(SERVER, "pyvene_dist.serving.build_app")
         config = transformers.GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, max_new_tokens=default_max_tokens)
         self.manager: ReftBatchingManager = many.init_continuous_batching(config, batching)
