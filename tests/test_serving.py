@@ -218,9 +218,10 @@ def test_the_benchmark_smoke_writes_every_provider(tmp_path):
 
 def test_an_older_transformers_is_refused_naming_the_versions(saved, many, monkeypatch):
     """transformers 5.17's continuous batching has no manager pause and no ``page_size`` (the tests failed with
-    "ContinuousBatchingConfig.__init__() got an unexpected keyword argument 'page_size'"), and 5.18-5.23's
-    ``transformers serve`` internals differ from those openai_api builds on: each entry refuses them naming the
-    release found and the one needed, before a manager starts; the padded ``generate`` (above) runs on both."""
+    "ContinuousBatchingConfig.__init__() got an unexpected keyword argument 'page_size'"), and the ``transformers
+    serve`` internals of 5.18-5.23 and of 5.25 (an ImportError) differ from those openai_api builds on: each entry
+    refuses them naming the release found and the one needed, before a manager starts; the padded ``generate``
+    (above) runs on all."""
     from pyvene_dist.serving import command
     from pyvene_dist.serving.batching import require_transformers
     from pyvene_dist.versions import UnsupportedVersionError, installed
@@ -228,7 +229,7 @@ def test_an_older_transformers_is_refused_naming_the_versions(saved, many, monke
     real_version, found = installed.version, {}
     monkeypatch.setattr(installed, "version", lambda name: found.get(name) or real_version(name))
     found["transformers"] = "5.17.0"
-    refused = ("ReFT continuous batching needs transformers >=5.18 (found 5.17.0): pip install -U 'transformers>=5.18'; "
+    refused = ("ReFT continuous batching needs transformers >=5.18 (found 5.17.0): pip install 'transformers>=5.18'; "
                "MultiReftModel.generate (padded batches) works on 5.17.0")
     with pytest.raises(UnsupportedVersionError) as error:
         many.init_continuous_batching()
@@ -242,6 +243,10 @@ def test_an_older_transformers_is_refused_naming_the_versions(saved, many, monke
     with pytest.raises(SystemExit) as stopped:
         command.main(["--model", str(saved.base_folder)])
     assert stopped.value.code == (
-        "pyvene-dist serve needs transformers >=5.24 (found 5.23.0): pip install -U 'transformers>=5.24'; "
+        "pyvene-dist serve needs transformers >=5.24,<5.25 (found 5.23.0): pip install 'transformers>=5.24,<5.25'; "
         "MultiReftModel.generate (padded batches) and continuous batching (init_continuous_batching, generate_batch) "
         "work on 5.23.0")
+    found["transformers"] = "5.25.0"  # transformers serve rewritten: its modules are gone (ImportError before)
+    with pytest.raises(SystemExit) as stopped:
+        command.main(["--model", str(saved.base_folder)])
+    assert stopped.value.code.startswith("pyvene-dist serve needs transformers >=5.24,<5.25 (found 5.25.0)")

@@ -23,10 +23,10 @@ from .continuous import CHILD, ContinuousRefts, ReftRequestError
 #: (a ReFT loaded or unloaded while the manager runs waits in it), named the cache's ``block_size`` ``page_size`` and
 #: reworked the cache's allocation beneath. The padded ``MultiReftModel.generate`` needs none of it.
 CONTINUOUS_BATCHING = ">=5.18"
-#: The oldest transformers whose ``transformers serve`` internals ``openai_api`` builds on: 5.18-5.22's
-#: ``ModelManager`` takes no ``continuous_batching``, and 5.23's server answered the concurrent completions of
-#: tests/test_openai_server.py with a 500.
-SERVER = ">=5.24"
+#: The transformers whose ``transformers serve`` internals ``openai_api`` builds on: 5.18-5.22's ``ModelManager``
+#: takes no ``continuous_batching``, 5.23's server answered the concurrent completions of tests/test_openai_server.py
+#: with a 500, and 5.25 rewrote ``transformers.cli.serving`` (no ``TimedModel``, no ``CBGenerateManager``).
+SERVER = ">=5.24,<5.25"
 
 
 def require_transformers(specifier: str = CONTINUOUS_BATCHING, needed_by: str = "ReFT continuous batching") -> None:
@@ -38,7 +38,7 @@ def require_transformers(specifier: str = CONTINUOUS_BATCHING, needed_by: str = 
     usable = ["MultiReftModel.generate (padded batches)"]
     if _admits(CONTINUOUS_BATCHING, found):
         usable.append("continuous batching (init_continuous_batching, generate_batch)")
-    raise UnsupportedVersionError(f"{needed_by} needs transformers {specifier} (found {found}): pip install -U "
+    raise UnsupportedVersionError(f"{needed_by} needs transformers {specifier} (found {found}): pip install "
                                   f"'transformers{specifier}'; {' and '.join(usable)} work"
                                   f"{'s' * (len(usable) == 1)} on {found}")
 
