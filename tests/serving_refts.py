@@ -181,6 +181,13 @@ class Alone:
         return self.found[key]
 
 
+def small_cache(**options) -> transformers.ContinuousBatchingConfig:
+    """A paged cache sized for the tiny model (left to itself, transformers sizes it from the machine's memory, and
+    the CPU step builds a mask that wide: 30 s for three prompts)."""
+    return transformers.ContinuousBatchingConfig(page_size=16, num_blocks=160, max_batch_tokens=64,
+                                                 max_requests_per_batch=8, **options)
+
+
 def load_many(saved: Saved, names=tuple(REFTS)) -> MultiReftModel:
     """A ``MultiReftModel`` of the ReFTs ``names`` on a fresh load of the base (sdpa attention, as pyvene-dist serve
     loads it), loaded under one patch (``MultiReftModel.load`` patches and unpatches for itself otherwise)."""

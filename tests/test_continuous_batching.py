@@ -21,7 +21,7 @@ import transformers  # noqa: E402
 
 import pyvene_dist  # noqa: E402
 from pyvene_dist.serving.continuous import ReftRequestError  # noqa: E402
-from serving_refts import NEW_TOKENS, load_many, needs_transformers  # noqa: E402
+from serving_refts import NEW_TOKENS, load_many, needs_transformers, small_cache  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_transformers()]
 
@@ -32,13 +32,6 @@ NAMES = ["lo", None, "no", "lo2", "di", "lo", None, "no", "lo2", "di", "lo", "no
 WAVES = [range(0, 6), range(6, 11), range(11, 16)]
 TEXT = "red cat runs fast big dog small bird sits on the tree cold river stone green tree blue house light dark "
 MODES = {True: "prompt", False: "every-token"}
-
-
-def small_cache(**options) -> transformers.ContinuousBatchingConfig:
-    """A paged cache sized for the tiny model (left to itself, transformers sizes it from the machine's memory, and
-    the CPU step builds a mask that wide: 30 s for three prompts)."""
-    return transformers.ContinuousBatchingConfig(page_size=16, num_blocks=160, max_batch_tokens=64,
-                                                 max_requests_per_batch=8, **options)
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,29 @@ def test_refts_load_and_unload_over_http(served):
     assert (code, reply["error"]["param"]) == (400, "reft_path") and "does not exist" in reply["error"]["message"]
 
 
+@needs_transformers(SERVER, "pyvene-dist serve")
+def test_a_server_that_fails_to_build_stops_its_manager(serving_saved, monkeypatch):
+    """``build_app`` starts the continuous batching manager, then builds the app: an error there (5.23's server
+    internals, before the version check) left the manager's thread running, and the process never ended."""
+    from pyvene_dist.serving import openai_api
+    from serving_refts import load_many, small_cache
+
+    def broken(server):
+        raise RuntimeError("building the app failed")
+
+    monkeypatch.setattr(openai_api.ReftServer, "_build", broken)
+    many, managers = load_many(serving_saved), []
+    start = many.init_continuous_batching
+    monkeypatch.setattr(many, "init_continuous_batching", lambda *args: managers.append(start(*args)) or managers[-1])
+    with pytest.raises(RuntimeError, match="building the app failed"):
+        openai_api.build_app(many, serving_saved.tokenizer, model_id="base", batching=small_cache())
+    assert len(managers) == 1
+    thread = managers[0]._generation_thread  # None once stopped; told to stop, it ends after its start-up
+    if thread is not None:
+        thread.join(timeout=120)
+    assert not managers[0].is_running()
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--max_requests", "0"], "--max_requests/--max-requests: expected a positive int, found '0'"),
     (["--body_timeout", "-1"], "--body_timeout/--body-timeout: expected a positive float, found '-1'"),

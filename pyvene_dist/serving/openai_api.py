@@ -149,7 +149,11 @@ class ReftServer:
                                                pad_token_id=tokenizer.pad_token_id, max_new_tokens=default_max_tokens)
         self.manager: ReftBatchingManager = many.init_continuous_batching(config, batching)
         self.manager.start()
-        self.app = self._build()
+        try:
+            self.app = self._build()
+        except BaseException:  # the manager's thread would keep the process alive after the error: a hung server
+            self.close()
+            raise
 
     def engine(self):
         return self.many._continuous
