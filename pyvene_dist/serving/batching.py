@@ -10,13 +10,11 @@ import queue
 import threading
 import time
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 
-from ..versions import UnsupportedVersionError, installed
+from ..versions import UnsupportedVersionError, admits, installed
 from .continuous import CHILD, ContinuousRefts, ReftRequestError
 
 #: The oldest transformers whose continuous batching the ReFT manager runs on: 5.18 added the manager's ``pause``
@@ -33,18 +31,14 @@ def require_transformers(specifier: str = CONTINUOUS_BATCHING, needed_by: str = 
     """``UnsupportedVersionError`` naming the transformers found, the one needed and what works on it, where it is
     not ``specifier``: before any manager starts, rather than a stranger error from inside transformers."""
     found = installed.version("transformers")
-    if found is None or _admits(specifier, found):
+    if found is None or admits(specifier, found):
         return
     usable = ["MultiReftModel.generate (padded batches)"]
-    if _admits(CONTINUOUS_BATCHING, found):
+    if admits(CONTINUOUS_BATCHING, found):
         usable.append("continuous batching (init_continuous_batching, generate_batch)")
     raise UnsupportedVersionError(f"{needed_by} needs transformers {specifier} (found {found}): pip install "
                                   f"'transformers{specifier}'; {' and '.join(usable)} work"
                                   f"{'s' * (len(usable) == 1)} on {found}")
-
-
-def _admits(specifier: str, version: str) -> bool:
-    return SpecifierSet(specifier).contains(Version(version), prereleases=True)
 
 
 class _Router(OutputRouter):

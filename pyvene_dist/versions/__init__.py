@@ -17,8 +17,8 @@ with a ``DeprecationWarning`` naming the new one (``_moved_modules``).
 from __future__ import annotations
 
 from .forms import fingerprint
-from .guard import (ALLOW_ENV, OPTIONAL, RECORD_COMMAND, REQUIRED, UnsupportedVersionError, below_floor, check,
-                    check_replaced, mismatches)
+from .guard import (ALLOW_ENV, OPTIONAL, RECORD_COMMAND, REQUIRED, UnsupportedVersionError, admits, below_floor,
+                    check, check_replaced, mismatches)
 
-__all__ = ("ALLOW_ENV", "OPTIONAL", "RECORD_COMMAND", "REQUIRED", "UnsupportedVersionError", "below_floor", "check",
-           "check_replaced", "fingerprint", "mismatches")
+__all__ = ("ALLOW_ENV", "OPTIONAL", "RECORD_COMMAND", "REQUIRED", "UnsupportedVersionError", "admits", "below_floor",
+           "check", "check_replaced", "fingerprint", "mismatches")

@@ -54,6 +54,11 @@ class UnsupportedVersionError(RuntimeError):
     pass
 
 
+def admits(specifier: str, version: str) -> bool:
+    """Whether ``version`` is within ``specifier`` (">=5.18", ">=5.24,<5.25"), a pre-release counted as its release."""
+    return SpecifierSet(specifier).contains(Version(version), prereleases=True)
+
+
 def below_floor() -> list[str]:
     """One line per ``REQUIRED`` distribution below its floor or not installed."""
     problems = []
@@ -61,7 +66,7 @@ def below_floor() -> list[str]:
         version = installed.version(distribution)
         if version is None:
             problems.append(f"{distribution} is not installed; pyvene_dist needs {distribution}{specifier}")
-        elif not SpecifierSet(specifier).contains(Version(version), prereleases=True):
+        elif not admits(specifier, version):
             problems.append(f"{distribution} {version} is installed; pyvene_dist supports {distribution}{specifier}")
     return problems
 
