@@ -30,9 +30,7 @@ def broadcast_in_place(model: nn.Module, full_state: dict, *, skip: set[str], de
         if name in skip:
             continue
         if main:
-            whole = full_state[name].detach()
-            whole = whole.to_local() if isinstance(whole, DTensor) else whole
-            whole = whole.to(device=device, dtype=tensor.dtype).contiguous()
+            whole = _storage_of(full_state[name].detach()).to(device=device, dtype=tensor.dtype).contiguous()
         else:
             whole = torch.empty(tuple(tensor.shape), device=device, dtype=tensor.dtype)
         dist.broadcast(whole, src=0)
